@@ -1,0 +1,71 @@
+"""Credit estimators: pure, vectorized functions ``(TrajectoryBatch, **params) -> TrajectoryBatch``.
+
+Every module in this package that does not start with ``_`` is imported here and
+contributes the :class:`Estimator` objects listed in its ``ESTIMATORS`` tuple, so adding
+an estimator is one new file (plus its test) and nothing else. A user registers their own
+at run time with :func:`register_estimator`, or passes a callable wherever a name is taken.
+
+This package imports only numpy and pyarrow (no torch, no Ray).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from typing import Any
+
+from ray_credit.batch import TrajectoryBatch
+from ray_credit.estimators._base import Estimator
+
+__all__ = ["ESTIMATORS", "Estimator", "get_estimator", "register_estimator", "resolve_estimator"]
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(estimator: Estimator, *, overwrite: bool = False) -> Estimator:
+    """Add an estimator to :data:`ESTIMATORS` (refuses to shadow a name unless told)."""
+    if not isinstance(estimator, Estimator):
+        raise TypeError(f"register_estimator takes an Estimator, got {type(estimator).__name__}")
+    if estimator.name in ESTIMATORS and not overwrite:
+        raise ValueError(
+            f"an estimator named {estimator.name!r} is already registered; "
+            "pick another name or pass overwrite=True"
+        )
+    ESTIMATORS[estimator.name] = estimator
+    return estimator
+
+
+def get_estimator(name: str) -> Estimator:
+    """The registered estimator called ``name``; an unknown name lists the valid ones."""
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown estimator {name!r}; registered: {sorted(ESTIMATORS)}. "
+            "Register your own with ray_credit.estimators.register_estimator."
+        ) from None
+
+
+EstimatorLike = str | Estimator | Callable[..., TrajectoryBatch]
+
+
+def resolve_estimator(spec: EstimatorLike) -> Callable[..., TrajectoryBatch]:
+    """A name, an :class:`Estimator` or any callable ``(batch, **params) -> batch``."""
+    if isinstance(spec, str):
+        return get_estimator(spec)
+    if callable(spec):
+        return spec
+    raise TypeError(f"an estimator is a name or a callable, got {type(spec).__name__}")
+
+
+def _discover() -> None:
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module: Any = importlib.import_module(f"{__name__}.{info.name}")
+        for estimator in getattr(module, "ESTIMATORS", ()):
+            register_estimator(estimator)
+
+
+_discover()

@@ -1,0 +1,164 @@
+"""A2TGPO: turn-group IG normalization, variance-rescaled accumulation, adaptive turn clipping.
+
+Paper: "A2TGPO: Agentic Turn-Group Policy Optimization with Adaptive Turn-level Clipping",
+arXiv 2605.06200, Section 4, Eq. (6)-(11). Numbers checked against a copy of the authors'
+code (``compute_igpo_step_advantage``, mode ``turn-group-v1d``; ALGORITHMS.md section 7).
+
+An IG turn is a non-final turn with a non-null ``turn_info_gain`` (IGPO's Eq. (3)). For
+prompt group ``q``, IG turn ``k`` of trajectory ``i`` (its ``k``-th IG turn, ``n_i`` of them)::
+
+    G_{q,k} = {IG_{j,k} : trajectories j of q that have turn k}                   # Eq. (6)
+    g_{i,k} = (IG_{i,k} - mean G_{q,k}) / (sqrt(var G_{q,k} + var_eps) + eps)     # Eq. (7)
+    D_{i,k} = sum_{j=k}^{n_i-1} gamma^(j-k) g_{i,j},   D~_{i,k} = D_{i,k} / sqrt(n_i - k)  # Eq. (8)
+    O_i = outcome normalized within q (same std rule)
+    A_{i,k} = alpha * D~_{i,k} + O_i,     A (final turn) = O_i                     # Eq. (9)
+    c_{i,k} = 1 + beta * (2 * sigmoid(g_{i,k}) - 1),   c (final turn) = 1          # Eq. (11)
+
+The loss (Eq. (10), (12)) widens the clip bounds to ``1 - eps_low*c, 1 + eps_high*c``;
+this estimator only writes ``turn_clip_scale``. Defaults follow the authors' script:
+``alpha = ig_weight = 0.3``, ``beta = clip_beta = 0.3`` (hard-coded in the code),
+``gamma = 1``, population variance with ``var_eps = 1e-8`` and ``eps = 1e-6``.
+``norm_mode="joint"``/``"separate"`` run IGPO's normalization and accumulation with every
+turn a boundary (the code's boundary mask), no ``alpha``, and clip scale 1.
+
+Degenerate cases: a turn group or outcome group with one member gives 0 (the paper's
+"|G| = 1: rely on the outcome only"); all-equal groups give 0. A non-final turn with a
+null IG gets ``A = O_i``, ``c = 1`` and is counted in ``a2tgpo/missing_info_gain``; an IG on
+the final turn is not used (``a2tgpo/final_turn_info_gain_ignored``).
+
+Turn index: the paper groups by the turn's position in the trajectory (default). The code
+groups by the ordinal among the row's IG positions (``official_compat=True``); the two
+differ only when a non-final turn has no IG.
+
+Not reproduced, because they belong to the IG scorer or the loss, not the estimator: in
+the code copy turn 0 only sets the baseline, taken after the first retrieval; the last IG
+context stops at ``</search>`` (dropping the last retrieval result); the log-prob
+difference is hard-coded (the paper says probability); a turn without an IG merges with
+the next IG turn's segment; and the loss re-derives turns as runs of equal advantage.
+Here turns come from the batch and the scorer decides what an IG means. The non-v1d
+``turn-group`` mode (IG rescaled by a batch-level std ratio, discounted from the outcome,
+then normalized per turn, plus ``1.5 * O_i``, no variance rescaling, no clip scale) is not
+implemented: it is neither the paper's method nor the released script's setting, and no
+test vector pins it down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_credit.batch import TrajectoryBatch
+from ray_credit.estimators._base import Estimator
+from ray_credit.estimators._group import (
+    NormSpec,
+    check_norm_params,
+    discounted_reverse_sum,
+    grpo_advantage,
+    normalize_by_key,
+)
+from ray_credit.estimators.igpo import ig_turns, igpo_advantages
+
+NORM_MODES = ("turn_group", "joint", "separate")
+
+
+@dataclass(frozen=True)
+class A2TGPOConfig:
+    """A2TGPO knobs (defaults: the paper's and the authors' script; see the module docstring)."""
+
+    gamma: float = 1.0
+    """Discount of the backward IG accumulation, Eq. (8)."""
+    ig_weight: float = 0.3
+    """alpha in Eq. (9), the code's ``adv_rescale_alpha``."""
+    clip_beta: float = 0.3
+    """beta in Eq. (11): the clip scale lies in (1 - beta, 1 + beta)."""
+    eps: float = 1e-6
+    """Added to the std in the denominators."""
+    std_ddof: int = 0
+    """0: population variance (the code); 1: sample variance."""
+    var_eps: float = 1e-8
+    """Added to the variance inside the square root (the code)."""
+    norm_mode: str = "turn_group"
+    """"turn_group" (A2TGPO); "joint" / "separate": IGPO's normalization, clip scale 1."""
+    official_compat: bool = False
+    """True: a turn group is keyed by the IG-turn ordinal, not the turn position."""
+
+    def __post_init__(self) -> None:
+        check_norm_params(std_ddof=self.std_ddof, eps=self.eps)
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma is a discount in [0, 1], got {self.gamma}")
+        if not self.ig_weight >= 0:
+            raise ValueError(f"ig_weight must be >= 0, got {self.ig_weight}")
+        if not 0.0 <= self.clip_beta < 1.0:
+            raise ValueError(
+                f"clip_beta must be in [0, 1) so the clip scale stays > 0, got {self.clip_beta}"
+            )
+        if not self.var_eps >= 0:
+            raise ValueError(f"var_eps must be >= 0, got {self.var_eps}")
+        if self.norm_mode not in NORM_MODES:
+            raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {self.norm_mode!r}")
+
+    def norm_spec(self) -> NormSpec:
+        return NormSpec(ddof=self.std_ddof, eps=self.eps, singleton="center", var_eps=self.var_eps)
+
+
+def a2tgpo(batch: TrajectoryBatch, config: A2TGPOConfig) -> TrajectoryBatch:
+    spec = config.norm_spec()
+    if config.norm_mode != "turn_group":
+        advantages, _, counts = igpo_advantages(
+            batch, gamma=config.gamma, norm_mode=config.norm_mode, spec=spec, official_compat=False
+        )
+        clip_scale = np.ones(batch.num_turns)
+    else:
+        advantages, clip_scale, counts = turn_group_advantages(batch, config, spec)
+    metrics = {f"a2tgpo/{name}": value for name, value in counts.items()}
+    return batch.with_turn_columns(
+        {"turn_advantages": advantages, "turn_clip_scale": clip_scale}, metrics=metrics
+    )
+
+
+def turn_group_advantages(
+    batch: TrajectoryBatch, config: A2TGPOConfig, spec: NormSpec
+) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """Eq. (6)-(11) over flat turns: ``(advantages, clip_scales, counts)``."""
+    gains, is_ig, counts = ig_turns(batch)
+    # Ordinal of each turn among its trajectory's IG turns, and each trajectory's n_i.
+    seen = np.concatenate(([0], np.cumsum(is_ig)))
+    starts = batch.turn_offsets[batch.turn_traj_index]
+    ordinal = seen[:-1] - seen[starts]
+    n_ig = (seen[batch.turn_offsets[1:]] - seen[batch.turn_offsets[:-1]])[batch.turn_traj_index]
+
+    # Eq. (6)-(7): normalize within the composite key (prompt group, turn index).
+    turn_index = ordinal if config.official_compat else batch.turn_position
+    width = int(batch.turn_counts.max())
+    keys = (batch.group_index[batch.turn_traj_index] * width + turn_index)[is_ig]
+    g_hat = np.zeros(batch.num_turns)
+    g_hat[is_ig] = normalize_by_key(gains[is_ig], keys, batch.num_groups * width, spec)
+    counts["singleton_turn_group_gains"] = float(
+        (np.bincount(keys, minlength=batch.num_groups * width) == 1).sum()
+    )
+
+    # Eq. (8): accumulate over the IG turns only (the exponent counts IG turns).
+    rows = batch.turn_traj_index[is_ig]
+    dense = np.zeros((len(batch), max(1, int(n_ig.max(initial=0)))))
+    dense[rows, ordinal[is_ig]] = g_hat[is_ig]
+    accumulated = discounted_reverse_sum(dense, config.gamma)[rows, ordinal[is_ig]]
+    rescaled = accumulated / np.sqrt(n_ig[is_ig] - ordinal[is_ig])
+
+    outcome = grpo_advantage(batch, spec)[batch.turn_traj_index]
+    advantages = outcome.copy()  # Eq. (9): the final turn (and any turn without IG) gets O_i
+    advantages[is_ig] += config.ig_weight * rescaled
+    # Eq. (11): 2*sigmoid(x) - 1 = tanh(x / 2).
+    clip_scale = np.where(is_ig, 1.0 + config.clip_beta * np.tanh(g_hat / 2.0), 1.0)
+    return advantages, clip_scale, counts
+
+
+ESTIMATORS = (
+    Estimator(
+        "a2tgpo",
+        a2tgpo,
+        A2TGPOConfig,
+        ("group_id", "outcome_reward", "turns", "turn_info_gain"),
+        "turn-group IG normalization, variance-rescaled accumulation, adaptive clip (A2TGPO)",
+    ),
+)

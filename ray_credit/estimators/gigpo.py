@@ -1,0 +1,206 @@
+"""GiGPO: group-in-group advantages, an episode term plus an anchor-state step term.
+
+Paper: "Group-in-Group Policy Optimization for LLM Agent Training" (Feng et al., 2025,
+arXiv 2505.10978), Eq. (5) step returns and the two-level advantage; numbers and quirks
+follow the official verl-agent code (``core_gigpo.py``, ALGORITHMS.md section 8).
+
+Each turn is one GiGPO environment step. The anchor state of turn ``k`` is what the
+policy saw before acting: the ``question`` for ``k = 0``, the observation of turn ``k-1``
+otherwise (a null observation or question, e.g. after an invalid action with no feedback,
+is the empty string ``""``, counted in ``gigpo/null_anchors``)::
+
+    R_k = r_k + gamma * R_{k+1},  r_k = 0 except r_last = outcome        # Eq. (5)
+    R_k -= c * [action_k = "invalid"];  s_k = outcome - c * [action_k = "invalid"]
+    A^E_k = s_k - mean_g(s)            mean_norm                          # episode term
+          = (s_k - mean_g(s)) / (std_g(s) + eps)      mean_std_norm
+    A^S_k = the same with R_k normalized within its anchor group          # step term
+    A_k   = A^E_k + step_weight * A^S_k
+
+``g`` is the prompt group. With ``cross_steps=True`` (verl-agent's default) the episode
+statistics run over every turn-row of the group, so longer trajectories weigh more;
+with False they run over one value per trajectory, its unpenalized outcome, and each
+turn-row is still normalized with its own ``s_k``. Anchor groups: within a prompt group,
+identical anchor strings (vectorized with pyarrow), or with ``enable_similarity`` a
+greedy clustering: in order of first appearance an anchor joins the first cluster whose
+representative (first member) has ``SequenceMatcher(None, anchor, rep).ratio() >=
+similarity_threshold``, else it starts a cluster. That needs string comparisons, so it
+is a Python loop, run over the unique (group, anchor) pairs only (exact duplicates
+always share a cluster, as in the official row-by-row loop).
+
+Defaults: verl-agent's config (``mode="mean_norm"``, ``step_weight=1``, exact anchors,
+threshold 0.95, sample std, eps 1e-6) with the search script's ``gamma=0.95``. The search
+script ``run_search.sh`` also sets ``mode="mean_std_norm"``, ``enable_similarity=True``,
+``similarity_threshold=0.9`` and ``invalid_action_penalty=0.01``.
+
+Degenerate cases: a prompt group with one episode value (one row, or one trajectory
+with ``cross_steps=False``) gets mean 0 and std 1, so ``A^E = s / (1 + eps)``, **not
+centered** (verl GRPO). A one-member anchor group is **centered**: ``A^S = 0``. An
+all-equal set gives 0 (std is exactly 0).
+
+Departures from verl-agent: with ``cross_steps=False`` the official code keeps the first
+row's score, which carries the first turn's invalid-action penalty; here the statistic is
+the unpenalized outcome. Only ``"invalid"`` turns are penalized (``"truncated"`` is a
+valid action here); a null action counts as valid (``gigpo/null_actions``).
+``similarity_threshold=1`` is allowed (it equals exact grouping; the official code
+asserts a threshold in (0, 1)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ray_credit.batch import TrajectoryBatch
+from ray_credit.estimators._base import Estimator
+from ray_credit.estimators._group import (
+    NormSpec,
+    check_norm_params,
+    discounted_reverse_sum,
+    from_dense,
+    key_stats,
+    normalize_by_key,
+    to_dense,
+)
+
+MODES = ("mean_norm", "mean_std_norm")
+
+
+@dataclass(frozen=True)
+class GiGPOConfig:
+    """GiGPO knobs (defaults: verl-agent's config, gamma of its search script)."""
+
+    gamma: float = 0.95
+    """Discount of the step returns (Eq. 5); run_search.sh uses 0.95."""
+    step_weight: float = 1.0
+    """omega, the weight of the step (anchor-group) term."""
+    mode: str = "mean_norm"
+    """"mean_norm": subtract the mean; "mean_std_norm": also divide by std + eps (run_search.sh)."""
+    enable_similarity: bool = False
+    """Group near-identical anchors (difflib ratio >= similarity_threshold), not only identical ones."""
+    similarity_threshold: float = 0.95
+    """Similarity needed to join a cluster, in (0, 1]; run_search.sh uses 0.9."""
+    eps: float = 1e-6
+    """Added to the std in the denominator (mean_std_norm)."""
+    std_ddof: int = 1
+    """1: sample std (verl-agent's torch.std); 0: population std."""
+    cross_steps: bool = True
+    """Episode statistics over all turn-rows (verl-agent); False: one outcome per trajectory."""
+    invalid_action_penalty: float = 0.0
+    """Subtracted from an invalid turn's return and episode reward (run_search.sh: 0.01)."""
+
+    def __post_init__(self) -> None:
+        check_norm_params(std_ddof=self.std_ddof, eps=self.eps)
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma is a discount in [0, 1], got {self.gamma}")
+        if not 0.0 <= self.step_weight < np.inf:
+            raise ValueError(f"step_weight must be a finite number >= 0, got {self.step_weight}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 0.0 < self.similarity_threshold <= 1.0:
+            raise ValueError(
+                f"similarity_threshold must be in (0, 1], got {self.similarity_threshold}"
+            )
+        if not 0.0 <= self.invalid_action_penalty < np.inf:
+            raise ValueError(
+                f"invalid_action_penalty must be a finite number >= 0, got {self.invalid_action_penalty}"
+            )
+
+
+def anchor_groups(batch: TrajectoryBatch, config: GiGPOConfig) -> tuple[np.ndarray, int, int]:
+    """Anchor-group code of every flat turn (numbered by first appearance), their count,
+    and the number of null anchors read as ``""``."""
+    questions = batch.column("question")
+    observations = batch.column("turns").flatten().field("observation")
+    # Turn k's anchor: question (k = 0) or observation k-1, gathered with one take.
+    flat = np.arange(batch.num_turns, dtype=np.int64)
+    source = np.where(batch.turn_position == 0, batch.turn_traj_index, len(batch) + flat - 1)
+    anchors = pc.take(pa.concat_arrays([questions, observations]), pa.array(source))
+    null_anchors = anchors.null_count
+    encoded = pc.dictionary_encode(pc.fill_null(anchors, ""))
+    anchor_code = np.asarray(encoded.indices, dtype=np.int64)
+    group_of_turn = batch.group_index[batch.turn_traj_index]
+    composite = group_of_turn * len(encoded.dictionary) + anchor_code
+    _, first, inverse = np.unique(composite, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    pair_of_turn, pair_first = rank[inverse], np.sort(first)  # pairs by first appearance
+    if not config.enable_similarity:
+        return pair_of_turn, len(first), null_anchors
+    texts = encoded.dictionary.take(pa.array(anchor_code[pair_first])).to_pylist()
+    cluster = _similarity_clusters(group_of_turn[pair_first], texts, config.similarity_threshold)
+    return cluster[pair_of_turn], int(cluster.max()) + 1, null_anchors
+
+
+def _similarity_clusters(groups: np.ndarray, texts: list[str], threshold: float) -> np.ndarray:
+    """Greedy clustering of unique (group, anchor) pairs given in order of first appearance."""
+    cluster = np.empty(len(texts), dtype=np.int64)
+    representatives: dict[int, list[tuple[int, str]]] = {}
+    for i, (group, text) in enumerate(zip(groups.tolist(), texts, strict=True)):
+        reps = representatives.setdefault(group, [])
+        for code, rep in reps:
+            if SequenceMatcher(None, text, rep).ratio() >= threshold:
+                cluster[i] = code
+                break
+        else:
+            cluster[i] = i  # a fresh code; renumbered densely below
+            reps.append((i, text))
+    return np.unique(cluster, return_inverse=True)[1].reshape(-1)
+
+
+def gigpo(batch: TrajectoryBatch, config: GiGPOConfig) -> TrajectoryBatch:
+    outcome = batch.traj_values("outcome_reward").astype(np.float64)
+    actions = batch.column("turns").flatten().field("action")
+    invalid = pc.fill_null(pc.equal(actions, "invalid"), False).to_numpy(zero_copy_only=False)
+    penalty = config.invalid_action_penalty * invalid
+    by_std = config.mode == "mean_std_norm"
+
+    # Eq. (5): the outcome is the only reward, on the final turn; penalties come after.
+    step_rewards = np.where(batch.is_last_turn, outcome[batch.turn_traj_index], 0.0)
+    returns = from_dense(batch, discounted_reverse_sum(to_dense(batch, step_rewards), config.gamma))
+    returns = returns - penalty
+    scores = outcome[batch.turn_traj_index] - penalty
+
+    # Episode term: statistics per prompt group, singleton -> mean 0, std 1 (not centered).
+    group_of_turn = batch.group_index[batch.turn_traj_index]
+    if config.cross_steps:
+        stat_values, stat_keys = scores, group_of_turn
+    else:
+        stat_values, stat_keys = outcome, batch.group_index
+    count, mean, std = key_stats(stat_values, stat_keys, batch.num_groups, ddof=config.std_ddof)
+    mean, std = np.where(count <= 1, 0.0, mean), np.where(count <= 1, 1.0, std)
+    episode_term = scores - mean[group_of_turn]
+    if by_std:
+        episode_term = episode_term / (std[group_of_turn] + config.eps)
+
+    # Step term: returns normalized within anchor groups, singleton -> 0 (centered).
+    anchor, num_anchor_groups, null_anchors = anchor_groups(batch, config)
+    spec = NormSpec(ddof=config.std_ddof, eps=config.eps, norm_by_std=by_std, singleton="center")
+    step_term = normalize_by_key(returns, anchor, num_anchor_groups, spec)
+    advantages = episode_term + config.step_weight * step_term
+
+    anchor_sizes = np.bincount(anchor, minlength=num_anchor_groups)
+    metrics = {
+        "gigpo/anchor_groups": float(num_anchor_groups),
+        "gigpo/singleton_anchor_frac": float((anchor_sizes == 1).mean()),
+        "gigpo/invalid_turns": float(invalid.sum()),
+        "gigpo/null_anchors": float(null_anchors),
+        "gigpo/null_actions": float(actions.null_count),
+    }
+    return batch.with_turn_columns(
+        {"turn_rewards": returns, "turn_advantages": advantages}, metrics=metrics
+    )
+
+
+ESTIMATORS = (
+    Estimator(
+        "gigpo",
+        gigpo,
+        GiGPOConfig,
+        ("group_id", "outcome_reward", "turns", "question"),
+        "episode-level plus anchor-state step-level group normalization (GiGPO)",
+    ),
+)

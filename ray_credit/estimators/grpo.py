@@ -1,0 +1,102 @@
+"""GRPO, Dr.GRPO and RLOO: one outcome advantage per trajectory, copied onto every turn.
+
+GRPO (Shao et al., 2024, DeepSeekMath Eq. 3; verl ``compute_grpo_outcome_advantage``)::
+
+    A_i = (r_i - mean_g(r)) / (std_g(r) + eps)          # std_ddof=1: verl's torch.std
+
+Dr.GRPO (Liu et al., 2025) drops the std: ``A_i = r_i - mean_g(r)``.
+RLOO (Ahmadian et al., 2024; verl ``compute_rloo_outcome_advantage``)::
+
+    A_i = r_i - mean_{j != i} r_j = n/(n-1) * (r_i - mean_g(r))
+
+Degenerate cases: an all-equal group gives A = 0 (std is exactly 0, eps guards it). A
+singleton group follows ``singleton_policy``: ``"zero_mean_unit_std"`` (verl: A = r/(1+eps)
+for GRPO, A = r for RLOO, **not centered**) or ``"center"`` (A = 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_credit.batch import TrajectoryBatch
+from ray_credit.estimators._base import Estimator
+from ray_credit.estimators._group import (
+    NormSpec,
+    broadcast_to_turns,
+    check_norm_params,
+    grpo_advantage,
+    key_stats,
+)
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO knobs; defaults reproduce verl's ``compute_grpo_outcome_advantage``."""
+
+    eps: float = 1e-6
+    """Added to the std in the denominator."""
+    std_ddof: int = 1
+    """1: sample std (verl, Search-R1, torch.std); 0: population std."""
+    norm_by_std: bool = True
+    """False gives Dr.GRPO's mean-only centering."""
+    singleton_policy: str = "zero_mean_unit_std"
+    """One-member group: "zero_mean_unit_std" (verl, A = r/(1+eps)) or "center" (A = 0)."""
+
+    def __post_init__(self) -> None:
+        check_norm_params(
+            std_ddof=self.std_ddof, eps=self.eps, singleton_policy=self.singleton_policy
+        )
+
+    def norm_spec(self) -> NormSpec:
+        return NormSpec(
+            ddof=self.std_ddof,
+            eps=self.eps,
+            norm_by_std=self.norm_by_std,
+            singleton=self.singleton_policy,
+        )
+
+
+@dataclass(frozen=True)
+class DrGRPOConfig(GRPOConfig):
+    """Dr.GRPO: GRPO without the std division (verl ``norm_adv_by_std_in_grpo=False``)."""
+
+    norm_by_std: bool = False
+
+
+@dataclass(frozen=True)
+class RLOOConfig:
+    """RLOO knobs; defaults reproduce verl's ``compute_rloo_outcome_advantage``."""
+
+    singleton_policy: str = "zero_mean_unit_std"
+    """One-member group: "zero_mean_unit_std" (verl keeps A = r) or "center" (A = 0)."""
+
+    def __post_init__(self) -> None:
+        check_norm_params(std_ddof=0, eps=0.0, singleton_policy=self.singleton_policy)
+
+
+def grpo(batch: TrajectoryBatch, config: GRPOConfig) -> TrajectoryBatch:
+    advantage = grpo_advantage(batch, config.norm_spec())
+    return batch.with_turn_columns({"turn_advantages": broadcast_to_turns(batch, advantage)})
+
+
+def rloo(batch: TrajectoryBatch, config: RLOOConfig) -> TrajectoryBatch:
+    rewards = batch.traj_values("outcome_reward").astype(np.float64)
+    keys = batch.group_index
+    count, mean, _ = key_stats(rewards, keys, batch.num_groups, ddof=0)
+    n = count[keys]
+    loo = np.divide(n, n - 1, out=np.ones_like(n), where=n > 1) * (rewards - mean[keys])
+    if config.singleton_policy == "zero_mean_unit_std":
+        advantage = np.where(n > 1, loo, rewards)
+    else:
+        advantage = np.where(n > 1, loo, 0.0)
+    return batch.with_turn_columns({"turn_advantages": broadcast_to_turns(batch, advantage)})
+
+
+_REQUIRES = ("group_id", "outcome_reward", "turns")
+ESTIMATORS = (
+    Estimator("grpo", grpo, GRPOConfig, _REQUIRES, "group-normalized outcome reward (GRPO)"),
+    Estimator("dr_grpo", grpo, DrGRPOConfig, _REQUIRES, "GRPO without std normalization (Dr.GRPO)"),
+    Estimator("rloo", rloo, RLOOConfig, _REQUIRES, "leave-one-out baseline (RLOO)"),
+)

@@ -1,0 +1,261 @@
+import io
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ray_credit.batch import COLUMNS, BatchValidationError, TrajectoryBatch
+from ray_credit.testing import make_batch, random_batch
+
+
+def record(traj_id="t0", group_id="g0", turns=2, **extra):
+    rec = {
+        "group_id": group_id,
+        "traj_id": traj_id,
+        "question": "Who founded Velmora?",
+        "gold_answers": ["Ada Quill"],
+        "turns": [
+            {"text": f"turn {k}", "action": "search", "policy_version": 3} for k in range(turns - 1)
+        ]
+        + [{"text": "answer", "action": "answer", "policy_version": 3}],
+        "outcome_reward": 1.0,
+    }
+    rec.update(extra)
+    return rec
+
+
+def with_tokens(rec, prompt=3, per_turn=(2, 1)):
+    """Token columns for a record: prompt tokens, then per turn: generated + observation ids."""
+    ids, mask, turn, logp = list(range(prompt)), [0] * prompt, [-1] * prompt, [0.0] * prompt
+    for k, _ in enumerate(rec["turns"]):
+        gen, obs = per_turn
+        ids += [100 + k] * (gen + obs)
+        mask += [1] * gen + [0] * obs
+        turn += [k] * (gen + obs)
+        logp += [-0.5] * gen + [0.0] * obs
+    return {
+        **rec,
+        "input_ids": ids,
+        "loss_mask": mask,
+        "token_turn": turn,
+        "behavior_logprobs": logp,
+    }
+
+
+def test_schema_documents_every_column():
+    for name, spec in COLUMNS.items():
+        assert spec.doc and spec.align in {"traj", "turn", "token"}, name
+        if spec.align != "traj":
+            assert pa.types.is_list(spec.type), name
+
+
+def test_records_round_trip_and_types():
+    recs = [record("t0"), record("t1", turns=3, answer="Ada Quill")]
+    batch = TrajectoryBatch.from_records(recs)
+    assert batch.table.schema.field("outcome_reward").type == pa.float64()
+    assert batch.table.schema.field("turns").type == COLUMNS["turns"].type
+    out = batch.to_records()
+    assert out[1]["answer"] == "Ada Quill" and out[0]["answer"] is None
+    assert [t["action"] for t in out[1]["turns"]] == ["search", "search", "answer"]
+    assert out[0]["turns"][0]["query"] is None  # omitted struct fields become null
+
+
+@pytest.mark.parametrize("fmt", ["ipc", "parquet"])
+def test_serialization_round_trip_keeps_data_and_metrics(tmp_path, fmt):
+    batch = random_batch(1, num_groups=5).with_metrics({"judge/failures": 2})
+    if fmt == "ipc":
+        back = TrajectoryBatch.from_ipc(batch.to_ipc())
+    else:
+        path = tmp_path / "b.parquet"
+        batch.write_parquet(path)
+        back = TrajectoryBatch.read_parquet(path)
+    assert back.table.equals(batch.table)
+    assert back.metrics == {"judge/failures": 2.0}
+
+
+def test_pickle_goes_through_ipc():
+    import pickle
+
+    batch = random_batch(2, num_groups=3)
+    back = pickle.loads(pickle.dumps(batch))
+    assert back.table.equals(batch.table)
+
+
+def test_flat_views_are_zero_copy_and_indexed():
+    batch = make_batch(
+        [
+            {"group": "a", "turns": 3, "turn_info_gain": [0.1, 0.2, 0.3]},
+            {"group": "b", "turns": 1, "turn_info_gain": [0.4]},
+            {"group": "a", "turns": 2, "turn_info_gain": [0.5, 0.6]},
+        ]
+    )
+    np.testing.assert_array_equal(batch.turn_offsets, [0, 3, 4, 6])
+    np.testing.assert_array_equal(batch.turn_traj_index, [0, 0, 0, 1, 2, 2])
+    np.testing.assert_array_equal(batch.turn_position, [0, 1, 2, 0, 0, 1])
+    np.testing.assert_array_equal(batch.is_last_turn, [0, 0, 1, 1, 0, 1])
+    np.testing.assert_array_equal(batch.group_index, [0, 1, 0])
+    values = batch.turn_values("turn_info_gain")
+    np.testing.assert_allclose(values, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], rtol=1e-6)
+    buffer_address = batch.table.column("turn_info_gain").chunk(0).values.buffers()[1].address
+    assert values.ctypes.data == buffer_address  # a view, not a copy
+    assert list(batch.turn_values("turns.action")) == [
+        "search",
+        "search",
+        "answer",
+        "answer",
+        "search",
+        "answer",
+    ]
+
+
+def test_nulls_need_an_explicit_fill():
+    batch = make_batch([{"turns": 2, "judge_utility": [1, None]}])
+    with pytest.raises(BatchValidationError, match="null"):
+        batch.turn_values("judge_utility")
+    np.testing.assert_array_equal(batch.turn_values("judge_utility", null=-1), [1, -1])
+    np.testing.assert_array_equal(batch.turn_valid("judge_utility"), [True, False])
+
+
+def test_with_turn_columns_does_not_touch_input():
+    batch = make_batch([{"turns": 2}, {"turns": 1}])
+    before = batch.table
+    out = batch.with_turn_columns({"turn_advantages": np.array([1.0, 2.0, 3.0])}, metrics={"x": 1})
+    assert "turn_advantages" not in batch and batch.table is before and batch.metrics == {}
+    assert out.table.column("turn_advantages").to_pylist() == [[1.0, 2.0], [3.0]]
+    assert out.table.schema.field("turn_advantages").type == pa.list_(pa.float32())
+    assert out.metrics == {"x": 1.0}
+    with pytest.raises(BatchValidationError, match="one value per turn"):
+        batch.with_turn_columns({"turn_advantages": np.zeros(2)})
+
+
+def test_to_torch_expands_turn_advantages_through_token_turn():
+    torch = pytest.importorskip("torch")
+    recs = [with_tokens(record("t0", turns=2)), with_tokens(record("t1", turns=1), prompt=2)]
+    batch = TrajectoryBatch.from_records(recs)
+    batch = batch.with_turn_columns(
+        {
+            "turn_advantages": np.array([0.5, -1.0, 2.0]),
+            "turn_clip_scale": np.array([1.1, 0.9, 1.2]),
+        }
+    )
+    t = batch.to_torch(pad_token_id=-7)
+    assert t["input_ids"].shape == (2, 9) and t["input_ids"].dtype == torch.int64
+    assert t["input_ids"][1, 5:].tolist() == [-7] * 4
+    assert t["attention_mask"].sum(1).tolist() == [9, 5]
+    assert t["loss_mask"][0].tolist() == [0, 0, 0, 1, 1, 0, 1, 1, 0]
+    assert t["advantages"][0].tolist() == [0, 0, 0, 0.5, 0.5, 0.5, -1, -1, -1]
+    assert t["advantages"][1].tolist() == [0, 0, 2, 2, 2, 0, 0, 0, 0]
+    assert t["clip_scale"][1].tolist() == pytest.approx([1, 1, 1.2, 1.2, 1.2, 1, 1, 1, 1])
+    assert t["token_turn"][1].tolist() == [-1, -1, 0, 0, 0, -1, -1, -1, -1]
+    assert t["behavior_logprobs"][0, 3].item() == -0.5
+
+
+# ---------------------------------------------------------------------- validation errors
+def bad(recs, match):
+    with pytest.raises(BatchValidationError, match=match):
+        TrajectoryBatch.from_records(recs)
+
+
+def test_missing_required_column_is_named():
+    rec = record()
+    del rec["outcome_reward"]
+    bad([rec], r"missing required column\(s\) \['outcome_reward'\]")
+
+
+def test_ragged_turn_column_names_row_and_column():
+    bad(
+        [record("t0", turn_contains_gold=[True, False]), record("t1", turn_contains_gold=[True])],
+        r"row 1 \(traj_id='t1'\).*'turn_contains_gold' has 1 entries.*2 turns",
+    )
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_reward(value):
+    bad(
+        [record("t0"), record("t1", outcome_reward=value)], r"row 1 .*'outcome_reward' is (nan|inf)"
+    )
+
+
+def test_non_finite_info_gain_must_be_null():
+    bad([record(turn_info_gain=[float("nan"), None])], "store a missing gain as null")
+
+
+def test_empty_group_id_and_empty_trajectory():
+    bad([record(group_id="")], "'group_id' is null or empty")
+    rec = record()
+    rec["turns"] = []
+    bad([rec], "'turns' is empty")
+
+
+def test_duplicate_traj_id():
+    bad([record("t0"), record("t0")], "traj_id 't0' appears 2 times")
+
+
+@pytest.mark.parametrize("gold", ["The", "  a ", "!!!"])
+def test_gold_normalizing_to_empty_is_rejected(gold):
+    bad(
+        [record("t0"), record("t1", gold_answers=["ok", gold])],
+        rf"row 1 .*gold answer {gold!r} normalizes to the empty string",
+    )
+
+
+def test_null_turn_list_is_named():
+    bad([record("t0"), record("t1", judge_utility=[1, 0])], r"row 0 .*'judge_utility' is null")
+
+
+def test_no_gold_answers():
+    bad([record(gold_answers=[])], "'gold_answers' is empty")
+
+
+def test_token_columns_of_unequal_length():
+    rec = with_tokens(record())
+    rec["loss_mask"] = rec["loss_mask"][:-1]
+    bad([rec], r"'loss_mask' has 8 entries but 'input_ids' has 9")
+
+
+def test_partial_token_columns_and_bad_token_turn():
+    rec = with_tokens(record())
+    del rec["behavior_logprobs"]
+    bad([rec], "give all four or none")
+    rec = with_tokens(record())
+    rec["token_turn"][-1] = 5
+    bad([rec], r"token_turn 5 .* outside \[-1, 1\]")
+    rec = with_tokens(record())
+    rec["loss_mask"][0] = 1
+    bad([rec], "only turn tokens")
+
+
+def test_unknown_action_and_wrong_type():
+    rec = record()
+    rec["turns"][0]["action"] = "browse"
+    bad([rec], "action 'browse' is not one of")
+    bad([record(outcome_reward="high")], "column 'outcome_reward' cannot be built")
+
+
+def test_from_table_casts_and_require_names_producer():
+    table = pa.table(
+        {
+            "group_id": ["g"],
+            "traj_id": ["t"],
+            "question": ["q"],
+            "gold_answers": [["x"]],
+            "turns": [[{"action": "answer"}]],
+            "outcome_reward": pa.array([1], pa.int64()),
+        }
+    )
+    batch = TrajectoryBatch.from_table(table)
+    assert batch.table.schema.field("outcome_reward").type == pa.float64()
+    with pytest.raises(BatchValidationError, match="InfoGainScorer"):
+        batch.require(["turn_info_gain"], by="igpo")
+
+
+def test_concat_and_select():
+    a, b = random_batch(3, num_groups=2), random_batch(4, num_groups=2)
+    b = TrajectoryBatch.from_table(
+        b.table.set_column(1, "traj_id", pa.array([f"b{i}" for i in range(len(b))]))
+    )
+    both = TrajectoryBatch.concat([a, b])
+    assert len(both) == len(a) + len(b)
+    picked = both.select([len(a), 0])
+    assert picked.to_records()[0]["traj_id"] == "b0"
+    assert io  # parquet accepts file objects too

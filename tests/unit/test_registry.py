@@ -1,0 +1,79 @@
+"""The estimator registry and the estimator contract shared by all of them."""
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ray_credit
+from ray_credit.estimators import (
+    ESTIMATORS,
+    Estimator,
+    get_estimator,
+    register_estimator,
+    resolve_estimator,
+)
+from ray_credit.testing import random_batch
+
+BUILTIN = {"grpo", "dr_grpo", "rloo", "tspo", "cw_grpo", "search_p1", "igpo", "a2tgpo", "gigpo"}
+
+
+def test_every_builtin_is_registered():
+    assert set(ESTIMATORS) >= BUILTIN
+
+
+def test_estimators_import_neither_torch_nor_ray():
+    code = "import sys, ray_credit.estimators; print('torch' in sys.modules, 'ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_unknown_name_lists_valid_ones():
+    with pytest.raises(KeyError, match="unknown estimator 'tsp'.*'tspo'"):
+        get_estimator("tsp")
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_contract(name):
+    est = get_estimator(name)
+    assert dataclasses.is_dataclass(est.config_cls) and est.config_cls.__dataclass_params__.frozen
+    assert est.config_cls.__doc__ and est.fn.__module__.startswith("ray_credit.estimators.")
+    batch = random_batch(7, num_groups=6, max_turns=5)
+    out = est(batch)
+    adv = out.turn_values("turn_advantages")
+    assert adv.dtype == np.float32 and adv.shape == (batch.num_turns,) and np.isfinite(adv).all()
+    assert "turn_advantages" not in batch and batch.metrics == {}
+    assert set(out.metrics) >= {"adv/mean", "adv/zero_advantage_group_frac"}
+    assert out.table.equals(est(batch).table)
+
+
+def test_user_estimator_registers_and_resolves():
+    @dataclasses.dataclass(frozen=True)
+    class HalfConfig:
+        """Scale the outcome."""
+
+        scale: float = 0.5
+
+    def half(batch, config):
+        values = batch.traj_values("outcome_reward")[batch.turn_traj_index] * config.scale
+        return batch.with_turn_columns({"turn_advantages": values})
+
+    est = register_estimator(Estimator("test_half", half, HalfConfig, ("outcome_reward",)))
+    try:
+        assert get_estimator("test_half") is est is ray_credit.get_estimator("test_half")
+        with pytest.raises(ValueError, match="already registered"):
+            register_estimator(est)
+        batch = random_batch(0, num_groups=2)
+        out = resolve_estimator("test_half")(batch, scale=2.0)
+        np.testing.assert_allclose(
+            out.turn_values("turn_advantages"),
+            2 * batch.traj_values("outcome_reward")[batch.turn_traj_index],
+        )
+    finally:
+        ESTIMATORS.pop("test_half")
+    plain = resolve_estimator(lambda b: b)
+    assert callable(plain)
+    with pytest.raises(TypeError):
+        resolve_estimator(3)
