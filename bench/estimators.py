@@ -5,9 +5,10 @@
 
 For every registered estimator that has a loop reference in ``tests/unit/test_<module>.py``
 (a ``REFERENCES`` dict: name -> ``reference(rows, config)``), the same random batch goes
-through the vectorized estimator (median of ``--repeats`` calls) and once through the
-reference (its loop only: the ``to_records()`` conversion it reads is done beforehand and
-not timed). Prints turns/s, the speedup ratio and the max abs difference of the two
+through the vectorized estimator (median of ``--repeats`` calls, each on a fresh batch
+wrapper so no cached index carries over) and through the reference (median of
+``--reference-repeats``; its loop only: the ``to_records()`` conversion it reads is done
+beforehand and not timed). The garbage collector is paused while timing, as in timeit. Prints turns/s, the speedup ratio and the max abs difference of the two
 outputs, and writes JSON. Targets (DESIGN.md section 8): >= 30x the reference for every
 estimator, >= 2 M turns/s for grpo and tspo.
 """
@@ -15,6 +16,8 @@ estimator, >= 2 M turns/s for grpo and tspo.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib
 import json
 import os
@@ -37,6 +40,17 @@ SPEEDUP_TARGET = 30.0
 TURNS_PER_S_TARGET = {"grpo": 2e6, "tspo": 2e6}
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Time without the cyclic garbage collector, as timeit does: its pauses are noise."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def load_references() -> dict:
     references = {}
     for path in sorted((ROOT / "tests" / "unit").glob("test_*.py")):
@@ -53,6 +67,7 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--reference-repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", help="estimator names (default: all with a reference)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "estimators.json")
@@ -82,13 +97,18 @@ def main() -> int:
         for _ in range(args.repeats):
             # A fresh wrapper each call: no cached group/turn index carries over.
             cold = TrajectoryBatch(batch.table, validate=False)
-            start = time.perf_counter()
-            out = estimator(cold, config)
-            times.append(time.perf_counter() - start)
+            with gc_paused():
+                start = time.perf_counter()
+                out = estimator(cold, config)
+                times.append(time.perf_counter() - start)
         vectorized = statistics.median(times)
-        start = time.perf_counter()
-        expected = references[name](rows, config)
-        reference = time.perf_counter() - start
+        reference_times = []
+        for _ in range(args.reference_repeats):
+            with gc_paused():
+                start = time.perf_counter()
+                expected = references[name](rows, config)
+                reference_times.append(time.perf_counter() - start)
+        reference = statistics.median(reference_times)
         got = out.turn_values("turn_advantages").astype(np.float64)
         want = np.concatenate([np.asarray(turns, dtype=np.float64).ravel() for turns in expected])
         max_diff = float(np.abs(got - want).max())

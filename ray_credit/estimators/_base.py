@@ -73,7 +73,9 @@ def advantage_metrics(batch: TrajectoryBatch) -> dict[str, float]:
     adv = batch.turn_values("turn_advantages")
     nonzero = np.concatenate(([0], np.cumsum(np.abs(adv) >= ZERO_ADVANTAGE_TOL)))
     nonzero_per_traj = nonzero[batch.turn_offsets[1:]] - nonzero[batch.turn_offsets[:-1]]
-    nonzero_turns_per_group = np.bincount(batch.group_index, weights=nonzero_per_traj, minlength=batch.num_groups)
+    nonzero_turns_per_group = np.bincount(
+        batch.group_index, weights=nonzero_per_traj, minlength=batch.num_groups
+    )
     return {
         "adv/mean": float(adv.mean(dtype=np.float64)),
         "adv/std": float(adv.std(dtype=np.float64)),

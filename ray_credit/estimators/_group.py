@@ -119,7 +119,9 @@ def from_dense(batch: TrajectoryBatch, dense: np.ndarray) -> np.ndarray:
     return dense[turn_mask(batch)]
 
 
-def column_normalize(batch: TrajectoryBatch, dense: np.ndarray, counted: np.ndarray, spec: NormSpec) -> np.ndarray:
+def column_normalize(
+    batch: TrajectoryBatch, dense: np.ndarray, counted: np.ndarray, spec: NormSpec
+) -> np.ndarray:
     """Normalize each column of an ``(n_traj, width)`` matrix within each prompt group.
 
     Cell ``(i, k)`` is normalized against the counted cells of column ``k`` of its group

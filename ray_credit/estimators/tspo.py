@@ -49,6 +49,7 @@ from ray_credit.estimators._group import (
     column_normalize,
     group_all,
     grpo_advantage,
+    to_dense,
     turn_mask,
 )
 
@@ -82,28 +83,27 @@ class TSPOConfig:
 
 
 def folr_rewards(batch: TrajectoryBatch, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """Eq. (6) as an ``(n_traj, max_turns)`` matrix, and where the partial reward went.
-
-    Cells past a trajectory's last turn hold its final-turn reward (Discussion 1).
-    """
-    mask = turn_mask(batch)
-    outcome = batch.traj_values("outcome_reward").astype(np.float64)[:, None]
-    contains = np.zeros(mask.shape, dtype=np.int8)
-    contains[mask] = batch.turn_values("turn_contains_gold", null=False)
-    # k <= t* <=> the gold shows up somewhere in the trajectory and in no turn before k.
-    none_before = np.cumsum(contains, axis=1) - contains == 0
-    partial = (outcome == 0) & contains.any(axis=1, keepdims=True) & none_before & mask
-    rewards = np.where(partial, alpha, outcome)
-    final = rewards[np.arange(len(batch)), batch.turn_counts - 1]
-    return np.where(mask, rewards, final[:, None]), partial
+    """Eq. (6) for every flat turn, and which turns got the partial reward."""
+    counts, starts = batch.turn_counts, batch.turn_offsets[:-1]
+    contains = batch.turn_values("turn_contains_gold", null=False).astype(np.int32)
+    seen = np.cumsum(contains) - contains  # golds strictly before each turn, batch-wide
+    seen_at_start = seen[starts]
+    golds = seen[batch.turn_offsets[1:] - 1] + contains[batch.turn_offsets[1:] - 1] - seen_at_start
+    # k <= t* <=> the trajectory has a gold, and none of it shows before turn k.
+    none_before = seen == np.repeat(seen_at_start, counts)
+    outcome = batch.traj_values("outcome_reward").astype(np.float64)
+    partial = np.repeat((outcome == 0) & (golds > 0), counts) & none_before
+    return np.where(partial, alpha, np.repeat(outcome, counts)), partial
 
 
 def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
     spec = NormSpec(ddof=config.std_ddof, eps=config.eps, singleton="center")
     mask = turn_mask(batch)
     rewards, partial = folr_rewards(batch, config.alpha)
+    final = rewards[batch.turn_offsets[1:] - 1]
+    dense = to_dense(batch, rewards, fill=final)  # Discussion 1: pad with the final reward
     counted = np.ones_like(mask) if config.padding == "final_reward" else mask
-    advantages = column_normalize(batch, rewards, counted, spec)[mask]  # Eq. (7)
+    advantages = column_normalize(batch, dense, counted, spec)[mask]  # Eq. (7)
 
     outcome = batch.traj_values("outcome_reward")
     all_wrong = group_all(outcome == 0, batch.group_index, batch.num_groups)
@@ -123,7 +123,7 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
         ),
     }
     return batch.with_turn_columns(
-        {"turn_rewards": rewards[mask], "turn_advantages": advantages}, metrics=metrics
+        {"turn_rewards": rewards, "turn_advantages": advantages}, metrics=metrics
     )
 
 
