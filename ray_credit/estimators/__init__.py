@@ -16,9 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ray_credit.batch import TrajectoryBatch
-from ray_credit.estimators._base import Estimator
+from ray_credit.estimators._base import Estimator, advantage_metrics
 
-__all__ = ["ESTIMATORS", "Estimator", "get_estimator", "register_estimator", "resolve_estimator"]
+__all__ = [
+    "ESTIMATORS",
+    "Estimator",
+    "advantage_metrics",
+    "get_estimator",
+    "register_estimator",
+    "resolve_estimator",
+]
 
 ESTIMATORS: dict[str, Estimator] = {}
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
 
-__all__ = ["Estimator", "ZERO_ADVANTAGE_TOL"]
+__all__ = ["Estimator", "ZERO_ADVANTAGE_TOL", "advantage_metrics"]
 
 # A group whose every turn advantage is below this in magnitude gives no gradient.
 ZERO_ADVANTAGE_TOL = 1e-6
@@ -25,8 +25,9 @@ class Estimator:
     and return ``batch.with_turn_columns({"turn_advantages": ..., ...})``. ``config_cls``
     is a frozen dataclass whose defaults are the paper's; ``requires`` lists the columns
     ``fn`` reads. Calling the estimator checks ``requires``, builds the config from
-    ``params`` (or takes ``config=``), runs ``fn`` and attaches summary metrics under
-    ``adv/`` so every estimator reports the same numbers.
+    ``params`` (or takes ``config=``) and runs ``fn``. Summary statistics of the
+    advantages (:func:`advantage_metrics`) are the metrics stage's job, computed once per
+    batch by whoever consumes it, not on every estimator call.
     """
 
     name: str
@@ -64,21 +65,25 @@ class Estimator:
             )
         cfg = self.make_config(config, **params)
         batch.require(self.requires, by=f"estimator {self.name!r}")
-        out = self.fn(batch, cfg)
-        return out.with_metrics(advantage_metrics(out))
+        return self.fn(batch, cfg)
 
 
 def advantage_metrics(batch: TrajectoryBatch) -> dict[str, float]:
-    """Summary of ``turn_advantages``: moments and the share of zero-advantage groups."""
-    adv = batch.turn_values("turn_advantages")
+    """Summary of ``turn_advantages``: moments and the share of zero-advantage groups.
+
+    A group whose every turn advantage is below :data:`ZERO_ADVANTAGE_TOL` in magnitude
+    gives no gradient (GRPO's all-correct and all-wrong groups); that share is the
+    number turn-level credit assignment exists to lower.
+    """
+    adv = batch.turn_values("turn_advantages").astype(np.float64)
     nonzero = np.concatenate(([0], np.cumsum(np.abs(adv) >= ZERO_ADVANTAGE_TOL)))
     nonzero_per_traj = nonzero[batch.turn_offsets[1:]] - nonzero[batch.turn_offsets[:-1]]
-    nonzero_turns_per_group = np.bincount(
+    nonzero_per_group = np.bincount(
         batch.group_index, weights=nonzero_per_traj, minlength=batch.num_groups
     )
     return {
-        "adv/mean": float(adv.mean(dtype=np.float64)),
-        "adv/std": float(adv.std(dtype=np.float64)),
+        "adv/mean": float(adv.mean()),
+        "adv/std": float(adv.std()),
         "adv/max_abs": float(np.abs(adv).max()),
-        "adv/zero_advantage_group_frac": float((nonzero_turns_per_group == 0).mean()),
+        "adv/zero_advantage_group_frac": float((nonzero_per_group == 0).mean()),
     }

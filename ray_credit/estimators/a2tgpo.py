@@ -50,14 +50,13 @@ import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
-from ray_credit.estimators._group import (
-    NormSpec,
-    check_norm_params,
-    discounted_reverse_sum,
-    grpo_advantage,
-    normalize_by_key,
+from ray_credit.estimators._group import NormSpec, check_norm_params, grpo_advantage
+from ray_credit.estimators.igpo import (
+    ig_turns,
+    igpo_advantages,
+    normalize_where,
+    reverse_discounted_sum,
 )
-from ray_credit.estimators.igpo import ig_turns, igpo_advantages
 
 NORM_MODES = ("turn_group", "joint", "separate")
 
@@ -120,37 +119,73 @@ def a2tgpo(batch: TrajectoryBatch, config: A2TGPOConfig) -> TrajectoryBatch:
 def turn_group_advantages(
     batch: TrajectoryBatch, config: A2TGPOConfig, spec: NormSpec
 ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-    """Eq. (6)-(11) over flat turns: ``(advantages, clip_scales, counts)``."""
+    """Eq. (6)-(11) over flat turns: ``(advantages, clip_scales, counts)``.
+
+    Works on the IG turns only, in flat order: trajectory ``i`` contributes its ``n_i``.
+    """
     gains, is_ig, counts = ig_turns(batch)
-    # Ordinal of each turn among its trajectory's IG turns, and each trajectory's n_i.
-    seen = np.concatenate(([0], np.cumsum(is_ig)))
-    starts = batch.turn_offsets[batch.turn_traj_index]
-    ordinal = seen[:-1] - seen[starts]
-    n_ig = (seen[batch.turn_offsets[1:]] - seen[batch.turn_offsets[:-1]])[batch.turn_traj_index]
-
+    ig_first, n_ig = _ig_runs(batch, is_ig)
     # Eq. (6)-(7): normalize within the composite key (prompt group, turn index).
-    turn_index = ordinal if config.official_compat else batch.turn_position
-    width = int(batch.turn_counts.max())
-    keys = (batch.group_index[batch.turn_traj_index] * width + turn_index)[is_ig]
-    g_hat = np.zeros(batch.num_turns)
-    g_hat[is_ig] = normalize_by_key(gains[is_ig], keys, batch.num_groups * width, spec)
-    counts["singleton_turn_group_gains"] = float(
-        (np.bincount(keys, minlength=batch.num_groups * width) == 1).sum()
-    )
+    keys, num_keys = _turn_group_keys(batch, config, is_ig, ig_first, n_ig)
+    g_hat, sizes = normalize_where(gains[np.flatnonzero(is_ig)], keys, num_keys, spec)
+    counts["singleton_turn_group_gains"] = float(np.count_nonzero(sizes == 1))
+    del keys  # drop large temporaries early: a lower peak footprint means fewer page faults
 
-    # Eq. (8): accumulate over the IG turns only (the exponent counts IG turns).
-    rows = batch.turn_traj_index[is_ig]
-    dense = np.zeros((len(batch), max(1, int(n_ig.max(initial=0)))))
-    dense[rows, ordinal[is_ig]] = g_hat[is_ig]
-    accumulated = discounted_reverse_sum(dense, config.gamma)[rows, ordinal[is_ig]]
-    rescaled = accumulated / np.sqrt(n_ig[is_ig] - ordinal[is_ig])
-
-    outcome = grpo_advantage(batch, spec)[batch.turn_traj_index]
-    advantages = outcome.copy()  # Eq. (9): the final turn (and any turn without IG) gets O_i
-    advantages[is_ig] += config.ig_weight * rescaled
-    # Eq. (11): 2*sigmoid(x) - 1 = tanh(x / 2).
-    clip_scale = np.where(is_ig, 1.0 + config.clip_beta * np.tanh(g_hat / 2.0), 1.0)
+    # Eq. (9): A = alpha * D~ + O_i; the final turn (and any turn without IG) gets O_i.
+    ig_term = _rescaled_accumulation(g_hat, n_ig, config.gamma)
+    ig_term *= config.ig_weight
+    advantages = np.repeat(grpo_advantage(batch, spec), batch.turn_counts)
+    at = np.flatnonzero(is_ig)
+    advantages[at] += ig_term
+    del ig_term  # (as above)
+    # Eq. (11): c = 1 + beta * (2 * sigmoid(g) - 1), and 2 * sigmoid(x) - 1 = tanh(x / 2).
+    g_hat *= 0.5
+    clip = np.tanh(g_hat, out=g_hat)
+    clip *= config.clip_beta
+    clip += 1.0
+    clip_scale = np.ones(batch.num_turns)
+    clip_scale[at] = clip
     return advantages, clip_scale, counts
+
+
+def _ig_runs(batch: TrajectoryBatch, is_ig: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per trajectory: the index of its first IG turn among all IG turns, and ``n_i``."""
+    dtype = np.int32 if batch.num_turns < 2**31 else np.int64
+    seen = np.zeros(batch.num_turns + 1, dtype=dtype)  # IG turns before each flat turn
+    np.cumsum(is_ig, out=seen[1:])
+    first = seen[batch.turn_offsets[:-1]].astype(np.int64)
+    return first, seen[batch.turn_offsets[1:]] - first
+
+
+def _turn_group_keys(
+    batch: TrajectoryBatch,
+    config: A2TGPOConfig,
+    is_ig: np.ndarray,
+    ig_first: np.ndarray,
+    n_ig: np.ndarray,
+) -> tuple[np.ndarray, int]:
+    """Eq. (6): the (prompt group, turn index) key of each IG turn, and the key count.
+    The turn index is the position (the flat turn minus the trajectory's first one) or,
+    for ``official_compat``, the ordinal among the trajectory's IG turns."""
+    at = np.flatnonzero(is_ig)
+    width = int(batch.turn_counts.max())
+    if config.official_compat:
+        index, first = np.arange(len(at)), ig_first
+    else:
+        index, first = at, batch.turn_offsets[:-1]
+    keys = np.repeat(batch.group_index * width - first, n_ig)
+    keys += index
+    return keys, batch.num_groups * width
+
+
+def _rescaled_accumulation(g_hat: np.ndarray, n_ig: np.ndarray, gamma: float) -> np.ndarray:
+    """Eq. (8) over the IG turns: ``D_{i,k} / sqrt(n_i - k)``, the exponent and ``n_i - k``
+    counting IG turns (``n_i - k``: this one and those after it in the trajectory)."""
+    accumulated = reverse_discounted_sum(g_hat.copy(), n_ig, gamma)
+    remaining = np.repeat(np.cumsum(n_ig), n_ig)
+    remaining -= np.arange(len(g_hat))
+    accumulated /= np.sqrt(remaining)
+    return accumulated
 
 
 ESTIMATORS = (

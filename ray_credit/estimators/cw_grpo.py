@@ -44,6 +44,8 @@ import numpy as np
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import NormSpec, check_norm_params, grpo_advantage
+from ray_credit.estimators.igpo import flat_values
+from ray_credit.estimators.search_p1 import count_per_traj
 
 # The official alpha = inf path divides by max(sum p, 1e-6): a constant of the code, not eps.
 OFFICIAL_SUM_FLOOR = 1e-6
@@ -87,11 +89,13 @@ class CWGRPOConfig:
 
 
 def _judgements(batch: TrajectoryBatch) -> tuple[np.ndarray, np.ndarray]:
-    """``p = u * v`` per flat turn (0 where null) and where both judgements are present."""
-    valid = batch.turn_valid("judge_utility") & batch.turn_valid("judge_correct")
-    u = batch.turn_values("judge_utility", null=0).astype(np.float64)
-    v = batch.turn_values("judge_correct", null=0).astype(np.float64)
-    bad = np.flatnonzero(valid & ~(np.isin(u, (0, 1)) & np.isin(v, (0, 1))))
+    """Where ``p = u * v`` is 1 per flat turn (Design 1; a null reads 0), and where both
+    judgements are present. Judgements are validated to be 0 or 1, so p is 0 or 1."""
+    u, u_valid = flat_values(batch, "judge_utility")  # arbitrary where null
+    v, v_valid = flat_values(batch, "judge_correct")
+    judged = u_valid & v_valid
+    binary = ((u == 0) | (u == 1)) & ((v == 0) | (v == 1))
+    bad = np.flatnonzero(judged & ~binary)
     if len(bad):
         k = int(bad[0])
         traj = batch.column("traj_id")[int(batch.turn_traj_index[k])].as_py()
@@ -99,57 +103,86 @@ def _judgements(batch: TrajectoryBatch) -> tuple[np.ndarray, np.ndarray]:
             f"traj_id={traj!r}, turn {int(batch.turn_position[k])}: judge_utility={u[k]:g}, "
             f"judge_correct={v[k]:g}; CW-GRPO judgements are 0 or 1 (null when the judge failed)"
         )
-    return u * v, valid  # Design 1
-
-
-def _softmax_over_rounds(batch: TrajectoryBatch, p: np.ndarray, alpha: float) -> np.ndarray:
-    """``softmax(alpha * p)`` over each trajectory's non-final turns (0 on final turns)."""
-    traj, nonfinal = batch.turn_traj_index, ~batch.is_last_turn
-    p_max = np.full(len(batch), -np.inf)
-    np.maximum.at(p_max, traj[nonfinal], p[nonfinal])
-    shifted = np.where(nonfinal, p - p_max[traj], 0.0)  # max-subtracted, <= 0
-    # alpha = inf is the limit: uniform over the rounds with the largest p.
-    weight = (shifted == 0) if math.isinf(alpha) else np.exp(alpha * shifted)
-    weight = np.where(nonfinal, weight, 0.0)
-    total = np.bincount(traj, weights=weight, minlength=len(batch))
-    return weight / np.where(total > 0, total, 1.0)[traj]  # Design 2
+    return (u == 1) & (v == 1) & judged, judged
 
 
 def cw_grpo(batch: TrajectoryBatch, config: CWGRPOConfig) -> TrajectoryBatch:
-    traj, nonfinal = batch.turn_traj_index, ~batch.is_last_turn
     outcome_advantage = grpo_advantage(batch, config.norm_spec())
+    p_one, judged = _judgements(batch)
+    nonfinal = ~batch.is_last_turn
+    by_kind, metrics = _advantage_by_kind(batch, config, outcome_advantage, p_one, judged)
+    # Each flat turn reads its trajectory's row: kind 0 on the final turn, else 1 + p
+    # (gathered in the column's storage type, float32).
+    at = np.repeat(np.arange(0, 3 * len(batch), 3), batch.turn_counts)
+    at += nonfinal.view(np.int8) + (p_one & nonfinal).view(np.int8)
+    advantages = by_kind.astype(np.float32).ravel()[at]
+    return batch.with_turn_columns({"turn_advantages": advantages}, metrics=metrics)
+
+
+def _advantage_by_kind(
+    batch: TrajectoryBatch,
+    config: CWGRPOConfig,
+    outcome_advantage: np.ndarray,
+    p_one: np.ndarray,
+    judged: np.ndarray,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """Design 2-3 per trajectory: the advantage of its final turn, of a round with p = 0
+    and of a round with p = 1 (an ``(n, 3)`` matrix), and the metrics.
+
+    ``A = A^O * c * (T - 1)`` on a redistributed trajectory's rounds, ``c = w / sum w``;
+    ``A^O`` elsewhere. With p in {0, 1}, ``w`` and ``sum w`` follow from per-trajectory
+    counts of the rounds with p = 1 and of the rounds judged null.
+    """
+    nonfinal = ~batch.is_last_turn
     rounds = (batch.turn_counts - 1).astype(np.float64)
     success = batch.traj_values("outcome_reward") > 0
-    p, judged = _judgements(batch)
-
+    ones = count_per_traj(batch, p_one & nonfinal)  # rounds with p = 1
+    unjudged = count_per_traj(batch, ~judged & nonfinal)  # rounds with a null judgement
+    read = success
     if config.official_compat:
-        p = np.where(success[traj], p, 0.0)  # quirk c: failed trajectories are never judged
+        ones = ones * success  # quirk c: failed trajectories are never judged
         if config.alpha >= config.inf_threshold:  # quirks a, b: the sum includes the last round
-            total = np.bincount(traj, weights=p, minlength=len(batch))
-            contribution = np.where(nonfinal, p / np.maximum(total, OFFICIAL_SUM_FLOOR)[traj], 0.0)
-            read = success[traj] & (rounds[traj] > 0)  # every round, the last one too
+            total = count_per_traj(batch, p_one) * success
+            w0, w1, weight_sum = 0.0, 1.0, np.maximum(total, OFFICIAL_SUM_FLOOR)
+            read = success & (rounds > 0)  # every round, the last one too
+            unjudged = count_per_traj(batch, ~judged)
         else:
-            contribution = _softmax_over_rounds(batch, p, config.alpha)
-            read = success[traj] & nonfinal
-    else:
-        contribution = _softmax_over_rounds(batch, p, config.alpha)
-        read = success[traj] & nonfinal
-    null_turn = read & ~judged  # official: read as 0; paper: the trajectory falls back
-    null_trajs = np.bincount(traj, weights=null_turn, minlength=len(batch)) > 0
-    if config.official_compat:
+            w0, w1, weight_sum = _round_weights(ones, rounds, config.alpha)
+        w1 = np.where(success, w1, w0)  # quirk c: a failed trajectory's p = 1 reads as 0
         redistributed = (rounds > 0) & (outcome_advantage >= 0)  # the switch is sign(A^O)
-    else:  # failed or null-judged trajectories keep uniform 1/R weights: factor 1
-        redistributed = success & (rounds > 0) & ~null_trajs
+    else:
+        w0, w1, weight_sum = _round_weights(ones, rounds, config.alpha)
+    null_turns = unjudged * read  # official: read as 0; paper: falls back
+    if not config.official_compat:  # failed or null-judged: uniform 1/R weights, factor 1
+        redistributed = success & (rounds > 0) & (null_turns == 0)
 
-    weighted = redistributed[traj] & nonfinal
-    factor = np.where(weighted, contribution * rounds[traj], 1.0)  # Design 3: c * (T - 1)
-    advantages = outcome_advantage[traj] * factor
+    by_kind = np.repeat(outcome_advantage[:, None], 3, axis=1)
+    at = np.flatnonzero(redistributed)  # these have rounds, so a positive weight sum
+    for kind, weight in ((1, w0), (2, w1)):
+        weight = weight[at] if np.ndim(weight) else weight
+        factor = (weight / weight_sum[at]) * rounds[at]  # Design 3: c * (T - 1)
+        by_kind[at, kind] = outcome_advantage[at] * factor
     metrics = {
-        "cw_grpo/redistributed_trajs": float(redistributed.sum()),
-        "cw_grpo/null_judgement_trajs": float(null_trajs.sum()),
-        "cw_grpo/null_judgement_turns": float(null_turn.sum()),
+        "cw_grpo/redistributed_trajs": float(np.count_nonzero(redistributed)),
+        "cw_grpo/null_judgement_trajs": float(np.count_nonzero(null_turns)),
+        "cw_grpo/null_judgement_turns": float(null_turns.sum()),
     }
-    return batch.with_turn_columns({"turn_advantages": advantages}, metrics=metrics)
+    return by_kind, metrics
+
+
+def _round_weights(
+    ones: np.ndarray, rounds: np.ndarray, alpha: float
+) -> tuple[np.ndarray, float, np.ndarray]:
+    """Design 2, ``softmax(alpha * p)`` over a trajectory's rounds, from its counts: with p
+    in {0, 1} a round's weight is ``exp(alpha * (p - max p))``, one of two values.
+
+    Returns the weight of a p = 0 round, of a p = 1 round, and their sum over the rounds
+    (``n_1 + (R - n_1) * w_0``, with ``n_1`` rounds at p = 1). ``alpha = inf`` is the
+    limit: weight 1 on the rounds with the largest p, 0 elsewhere.
+    """
+    below_max = 0.0 if math.isinf(alpha) else math.exp(-alpha)
+    w0 = np.where(ones > 0, below_max, 1.0)  # p = 0 is the max when no round has p = 1
+    return w0, 1.0, ones + (rounds - ones) * w0
 
 
 ESTIMATORS = (

@@ -56,15 +56,9 @@ import pyarrow.compute as pc
 
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
-from ray_credit.estimators._group import (
-    NormSpec,
-    check_norm_params,
-    discounted_reverse_sum,
-    from_dense,
-    key_stats,
-    normalize_by_key,
-    to_dense,
-)
+from ray_credit.estimators._group import NormSpec, check_norm_params, key_stats
+from ray_credit.estimators.igpo import normalize_where, segments_longest_first, valid_mask
+from ray_credit.estimators.search_p1 import equals_any
 
 MODES = ("mean_norm", "mean_std_norm")
 
@@ -115,24 +109,58 @@ def anchor_groups(batch: TrajectoryBatch, config: GiGPOConfig) -> tuple[np.ndarr
     and the number of null anchors read as ``""``."""
     questions = batch.column("question")
     observations = batch.column("turns").flatten().field("observation")
-    # Turn k's anchor: question (k = 0) or observation k-1, gathered with one take.
-    flat = np.arange(batch.num_turns, dtype=np.int64)
-    source = np.where(batch.turn_position == 0, batch.turn_traj_index, len(batch) + flat - 1)
-    anchors = pc.take(pa.concat_arrays([questions, observations]), pa.array(source))
-    null_anchors = anchors.null_count
-    encoded = pc.dictionary_encode(pc.fill_null(anchors, ""))
-    anchor_code = np.asarray(encoded.indices, dtype=np.int64)
-    group_of_turn = batch.group_index[batch.turn_traj_index]
-    composite = group_of_turn * len(encoded.dictionary) + anchor_code
-    _, first, inverse = np.unique(composite, return_index=True, return_inverse=True)
-    rank = np.empty(len(first), dtype=np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-    pair_of_turn, pair_first = rank[inverse], np.sort(first)  # pairs by first appearance
+    # Turn k's anchor is the question (k = 0) or observation k-1: encode the texts once and
+    # shift the codes. Observations never recorded all read "": no need to hash them.
+    recorded = observations.null_count < len(observations)
+    texts = pa.concat_arrays([questions, observations]) if recorded else questions
+    text_code, dictionary, empty = _encode_null_as_empty(texts)
+    n = len(batch)
+    obs_code = text_code[n:] if recorded else np.broadcast_to(empty, batch.num_turns)
+    anchor_code = _shift_to_anchors(batch, obs_code, text_code[:n])
+    null_anchors = 0
+    if questions.null_count or observations.null_count:
+        valid = _shift_to_anchors(batch, valid_mask(observations), valid_mask(questions))
+        null_anchors = batch.num_turns - int(np.count_nonzero(valid))
+
+    # Anchor groups: distinct (prompt group, anchor) pairs, numbered by first appearance
+    # (as Arrow's hash encoding numbers its dictionary).
+    composite = np.repeat(batch.group_index * len(dictionary), batch.turn_counts)
+    composite += anchor_code
+    pairs = pc.dictionary_encode(pa.array(composite))
+    pair_of_turn = pairs.indices.to_numpy().astype(np.int64)
     if not config.enable_similarity:
-        return pair_of_turn, len(first), null_anchors
-    texts = encoded.dictionary.take(pa.array(anchor_code[pair_first])).to_pylist()
-    cluster = _similarity_clusters(group_of_turn[pair_first], texts, config.similarity_threshold)
+        return pair_of_turn, len(pairs.dictionary), null_anchors
+    pair_first = np.unique(pair_of_turn, return_index=True)[1]  # first turn of each pair
+    texts = dictionary.take(pa.array(anchor_code[pair_first])).to_pylist()
+    groups = batch.group_index[batch.turn_traj_index[pair_first]]
+    cluster = _similarity_clusters(groups, texts, config.similarity_threshold)
     return cluster[pair_of_turn], int(cluster.max()) + 1, null_anchors
+
+
+def _shift_to_anchors(
+    batch: TrajectoryBatch, per_turn: np.ndarray, per_traj: np.ndarray
+) -> np.ndarray:
+    """What each flat turn's anchor reads: ``per_turn`` of the previous turn (the
+    observation of turn k-1), or on a trajectory's first turn its ``per_traj`` (question)."""
+    has_turns = batch.turn_counts > 0
+    out = np.empty(batch.num_turns, dtype=per_turn.dtype)
+    out[1:] = per_turn[:-1]
+    out[batch.turn_offsets[:-1][has_turns]] = per_traj[has_turns]
+    return out
+
+
+def _encode_null_as_empty(strings: pa.Array) -> tuple[np.ndarray, pa.Array, int]:
+    """Dictionary codes of ``strings`` (a numpy view), the dictionary (which holds ``""``)
+    and the code of ``""``, which a null gets too."""
+    encoded = pc.dictionary_encode(strings)  # nulls stay null: cheaper than fill_null first
+    dictionary, codes = encoded.dictionary, encoded.indices
+    empty = pc.index(dictionary, "").as_py()
+    if empty < 0:  # no "" among the values: give it the next code
+        empty = len(dictionary)
+        dictionary = pa.concat_arrays([dictionary, pa.array([""], dictionary.type)])
+    if codes.null_count:
+        codes = pc.fill_null(codes, empty)
+    return codes.to_numpy(), dictionary, empty
 
 
 def _similarity_clusters(groups: np.ndarray, texts: list[str], threshold: float) -> np.ndarray:
@@ -154,45 +182,94 @@ def _similarity_clusters(groups: np.ndarray, texts: list[str], threshold: float)
 def gigpo(batch: TrajectoryBatch, config: GiGPOConfig) -> TrajectoryBatch:
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
     actions = batch.column("turns").flatten().field("action")
-    invalid = pc.fill_null(pc.equal(actions, "invalid"), False).to_numpy(zero_copy_only=False)
-    penalty = config.invalid_action_penalty * invalid
+    invalid = equals_any(actions, "invalid")
     by_std = config.mode == "mean_std_norm"
 
-    # Eq. (5): the outcome is the only reward, on the final turn; penalties come after.
-    step_rewards = np.where(batch.is_last_turn, outcome[batch.turn_traj_index], 0.0)
-    returns = from_dense(batch, discounted_reverse_sum(to_dense(batch, step_rewards), config.gamma))
-    returns = returns - penalty
-    scores = outcome[batch.turn_traj_index] - penalty
+    # Step term: the returns (Eq. (5): the outcome is the only reward, on the final turn;
+    # penalties come after) normalized within anchor groups, singleton -> 0 (centered).
+    anchor, num_anchor_groups, null_anchors = anchor_groups(batch, config)
+    returns = _outcome_returns(batch, outcome, config.gamma)
+    penalty = None
+    if config.invalid_action_penalty and invalid.any():
+        penalty = config.invalid_action_penalty * invalid
+        returns -= penalty
+    spec = NormSpec(ddof=config.std_ddof, eps=config.eps, norm_by_std=by_std, singleton="center")
+    step_term, anchor_sizes = normalize_where(returns, anchor, num_anchor_groups, spec)
+    del anchor  # drop large temporaries early: a lower peak footprint means fewer page faults
 
     # Episode term: statistics per prompt group, singleton -> mean 0, std 1 (not centered).
-    group_of_turn = batch.group_index[batch.turn_traj_index]
-    if config.cross_steps:
-        stat_values, stat_keys = scores, group_of_turn
-    else:
-        stat_values, stat_keys = outcome, batch.group_index
-    count, mean, std = key_stats(stat_values, stat_keys, batch.num_groups, ddof=config.std_ddof)
-    mean, std = np.where(count <= 1, 0.0, mean), np.where(count <= 1, 1.0, std)
-    episode_term = scores - mean[group_of_turn]
-    if by_std:
-        episode_term = episode_term / (std[group_of_turn] + config.eps)
+    advantages = _episode_term(batch, config, outcome, penalty)
+    step_term *= config.step_weight
+    advantages += step_term
 
-    # Step term: returns normalized within anchor groups, singleton -> 0 (centered).
-    anchor, num_anchor_groups, null_anchors = anchor_groups(batch, config)
-    spec = NormSpec(ddof=config.std_ddof, eps=config.eps, norm_by_std=by_std, singleton="center")
-    step_term = normalize_by_key(returns, anchor, num_anchor_groups, spec)
-    advantages = episode_term + config.step_weight * step_term
-
-    anchor_sizes = np.bincount(anchor, minlength=num_anchor_groups)
     metrics = {
         "gigpo/anchor_groups": float(num_anchor_groups),
-        "gigpo/singleton_anchor_frac": float((anchor_sizes == 1).mean()),
-        "gigpo/invalid_turns": float(invalid.sum()),
+        "gigpo/singleton_anchor_frac": float(
+            np.count_nonzero(anchor_sizes == 1) / num_anchor_groups
+        ),
+        "gigpo/invalid_turns": float(np.count_nonzero(invalid)),
         "gigpo/null_anchors": float(null_anchors),
         "gigpo/null_actions": float(actions.null_count),
     }
     return batch.with_turn_columns(
         {"turn_rewards": returns, "turn_advantages": advantages}, metrics=metrics
     )
+
+
+def _outcome_returns(batch: TrajectoryBatch, outcome: np.ndarray, gamma: float) -> np.ndarray:
+    """Eq. (5) with the outcome as the only reward: ``R_last = outcome``, then
+    ``R_k = gamma * R_{k+1}`` backwards, for all trajectories at once (longest first)."""
+    order, last, longer = segments_longest_first(batch.turn_counts)
+    returns = np.empty(batch.num_turns)
+    value = outcome[order[: longer[0]]]  # trajectories with turns
+    returns[last[: longer[0]]] = value
+    for d in range(1, len(longer) - 1):
+        value = gamma * value[: longer[d]]
+        returns[last[: longer[d]] - d] = value
+    return returns
+
+
+def _episode_term(
+    batch: TrajectoryBatch, config: GiGPOConfig, outcome: np.ndarray, penalty: np.ndarray | None
+) -> np.ndarray:
+    """``A^E`` per turn: ``s_k`` against its prompt group's statistics (singleton: 0, 1).
+
+    Without penalties ``s_k`` is the trajectory's outcome on each of its turns, so
+    ``A^E`` is one value per trajectory, and statistics over turn-rows (``cross_steps``)
+    weigh each trajectory by its turn count.
+    """
+    group, num_groups, ddof = batch.group_index, batch.num_groups, config.std_ddof
+    if penalty is None:
+        weight = batch.turn_counts if config.cross_steps else None
+        count, mean, std = _weighted_stats(outcome, weight, group, num_groups, ddof)
+        values, keys = outcome, group
+    else:  # s_k = outcome - penalty_k, one per turn-row
+        values = np.repeat(outcome, batch.turn_counts) - penalty
+        keys = np.repeat(group, batch.turn_counts)
+        stats_of = (values, keys) if config.cross_steps else (outcome, group)
+        count, mean, std = key_stats(*stats_of, num_groups, ddof=ddof)
+    mean, std = np.where(count <= 1, 0.0, mean), np.where(count <= 1, 1.0, std)
+    term = values - mean[keys]
+    if config.mode == "mean_std_norm":
+        term /= (std + config.eps)[keys]
+    return term if penalty is not None else np.repeat(term, batch.turn_counts)
+
+
+def _weighted_stats(
+    values: np.ndarray, weight: np.ndarray | None, keys: np.ndarray, num_keys: int, ddof: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-key ``(count, mean, std)`` when ``values[i]`` stands for ``weight[i]`` equal
+    values (None: 1); std is 0 where the count is too small for ``ddof``."""
+    if weight is None:
+        return key_stats(values, keys, num_keys, ddof=ddof)
+    weight = weight.astype(np.float64)
+    count = np.bincount(keys, weights=weight, minlength=num_keys)
+    total = np.bincount(keys, weights=weight * values, minlength=num_keys)
+    mean = np.divide(total, count, out=np.zeros(num_keys), where=count > 0)
+    deviation = values - mean[keys]
+    sq = np.bincount(keys, weights=weight * deviation * deviation, minlength=num_keys)
+    dof = count - ddof
+    return count, mean, np.sqrt(np.divide(sq, dof, out=np.zeros(num_keys), where=dof > 0))
 
 
 ESTIMATORS = (

@@ -42,6 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
@@ -51,6 +53,7 @@ from ray_credit.estimators._group import (
     check_norm_params,
     normalize_by_key,
 )
+from ray_credit.estimators.igpo import bool_values, numeric_view, valid_mask
 
 VARIANTS = ("equations", "algorithm3")
 # Evaluator fields and the values each may take (None: a count, any integer >= 0).
@@ -127,20 +130,38 @@ class SearchP1Config:
 
 def _evaluator(batch: TrajectoryBatch) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The evaluator fields as float64 (0 where null), validated, and which rows have all."""
-    values = {name: batch.traj_values(name, null=0).astype(np.float64) for name in EVALUATOR_FIELDS}
-    valid = {name: batch.traj_valid(name) for name in EVALUATOR_FIELDS}
+    values, valid = {}, {}
+    for name in EVALUATOR_FIELDS:
+        values[name], valid[name] = _traj_floats(batch, name)
     for name, allowed in EVALUATOR_FIELDS.items():
         x = values[name]
         if allowed is None:
             ok, what = x >= 0, "a count >= 0"  # int32 columns: integral by type
         else:
-            ok = np.isclose(x[:, None], np.asarray(allowed)[None, :], rtol=0, atol=1e-6).any(axis=1)
-            what = f"one of {allowed}"
+            ok, what = _is_one_of(x, allowed), f"one of {allowed}"
         _raise_on_first(batch, valid[name] & ~ok, name, x, what)
     for name, bound in _BOUNDED_BY.items():  # effective steps cannot exceed the plan they count
         bad = valid[name] & valid[bound] & (values[name] > values[bound])
         _raise_on_first(batch, bad, name, values[name], f"<= {bound} (the plan it counts)")
     return values, np.logical_and.reduce(list(valid.values()))
+
+
+def _traj_floats(batch: TrajectoryBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A per-trajectory numeric column as float64 with 0 where null, and its validity."""
+    view, valid = numeric_view(batch.column(name))
+    if view is None:
+        return batch.traj_values(name, null=0).astype(np.float64), valid
+    values = view.astype(np.float64)
+    values[~valid] = 0.0
+    return values, valid
+
+
+def _is_one_of(x: np.ndarray, allowed: tuple[float, ...], atol: float = 1e-6) -> np.ndarray:
+    """``|x - a| <= atol`` for some allowed ``a`` (``np.isclose`` with ``rtol=0``)."""
+    ok = np.zeros(len(x), dtype=bool)
+    for a in allowed:  # a handful of allowed values, each one vectorized pass
+        ok |= np.abs(x - a) <= atol
+    return ok
 
 
 def _raise_on_first(
@@ -162,27 +183,61 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 def _format_reward(batch: TrajectoryBatch, config: SearchP1Config) -> tuple[np.ndarray, np.ndarray]:
     """Algorithm 3's r_f per trajectory, and n_actions (the number of search turns)."""
-    if not batch.turn_valid("turns.action").all():
-        k = int(np.flatnonzero(~batch.turn_valid("turns.action"))[0])
+    turns = batch.column("turns").flatten()
+    action = turns.field("action")
+    if action.null_count:
+        k = int(np.flatnonzero(~action.is_valid().to_numpy(zero_copy_only=False))[0])
         traj = batch.column("traj_id")[int(batch.turn_traj_index[k])].as_py()
         raise ValueError(
             f"traj_id={traj!r}: a turn has no action; search_p1 derives n_actions "
             "and the format reward from turns.action"
         )
-    action, traj, n = batch.turn_values("turns.action"), batch.turn_traj_index, len(batch)
-
-    def count(flags: np.ndarray) -> np.ndarray:
-        return np.bincount(traj, weights=flags, minlength=n)
-
-    n_actions = count(action == "search")
-    valid = count(np.isin(action, ("invalid", "truncated"))) == 0
-    has_answer = action[batch.turn_offsets[1:] - 1] == "answer"
-    has_response = count(batch.turn_valid("turns.observation")) > 0
+    n_actions = count_per_traj(batch, _equals(action, "search"))
+    valid = count_per_traj(batch, equals_any(action, "invalid", "truncated")) == 0
+    has_answer = _equals(action.take(pa.array(batch.turn_offsets[1:] - 1)), "answer")
+    has_response = count_per_traj(batch, valid_mask(turns.field("observation"))) > 0
     full = valid & has_answer & (n_actions > 0)
     r_f = np.where(
         full, config.format_full, np.where(has_answer & has_response, config.format_partial, 0.0)
     )
     return r_f, n_actions
+
+
+# Flat-turn helpers (equals_any and count_per_traj are shared with gigpo and cw_grpo).
+
+
+def _equals(strings: pa.Array, target: str) -> np.ndarray:
+    """Numpy mask over ``strings``: the string is ``target`` (null: False)."""
+    hit = pc.equal(strings, target)
+    return bool_values(pc.fill_null(hit, False) if hit.null_count else hit)
+
+
+def equals_any(strings: pa.Array, *targets: str) -> np.ndarray:
+    """Numpy mask over ``strings``: the string is one of ``targets`` (null: False), for
+    rare targets (actions such as ``invalid``).
+
+    Only strings of a target's byte length can match; when those are a minority, only
+    they go through Arrow's string comparison.
+    """
+    lengths, valid = numeric_view(pc.binary_length(strings))
+    maybe = valid & np.logical_or.reduce([lengths == len(t.encode()) for t in targets])
+    if 2 * np.count_nonzero(maybe) >= len(strings):
+        hit = pc.is_in(strings, pa.array(targets))  # never null
+        return bool_values(hit)
+    subset = np.flatnonzero(maybe)
+    out = np.zeros(len(strings), dtype=bool)
+    out[subset] = bool_values(pc.is_in(strings.take(pa.array(subset)), pa.array(targets)))
+    return out
+
+
+def count_per_traj(batch: TrajectoryBatch, flags: np.ndarray) -> np.ndarray:
+    """Number of True ``flags`` (one per flat turn) in each trajectory, as float64."""
+    if not flags.any():  # e.g. no invalid action, no tool response: skip the scan
+        return np.zeros(len(batch))
+    seen = np.zeros(batch.num_turns + 1, dtype=np.int32 if batch.num_turns < 2**31 else np.int64)
+    np.cumsum(flags, out=seen[1:])
+    offsets = batch.turn_offsets
+    return (seen[offsets[1:]] - seen[offsets[:-1]]).astype(np.float64)
 
 
 def path_centric_reward(batch: TrajectoryBatch, config: SearchP1Config) -> dict[str, np.ndarray]:
@@ -221,10 +276,11 @@ def search_p1(batch: TrajectoryBatch, config: SearchP1Config) -> TrajectoryBatch
         "search_p1/path_mean": float(parts["path"].mean()),
         "search_p1/reward_mean": float(parts["total"].mean()),
     }
+    # One value per trajectory, repeated on its turns in the columns' storage type (float32).
     return batch.with_turn_columns(
         {
-            "turn_rewards": broadcast_to_turns(batch, parts["total"]),
-            "turn_advantages": broadcast_to_turns(batch, advantage),
+            "turn_rewards": broadcast_to_turns(batch, parts["total"].astype(np.float32)),
+            "turn_advantages": broadcast_to_turns(batch, advantage.astype(np.float32)),
         },
         metrics=metrics,
     )

@@ -11,6 +11,7 @@ import ray_credit
 from ray_credit.estimators import (
     ESTIMATORS,
     Estimator,
+    advantage_metrics,
     get_estimator,
     register_estimator,
     resolve_estimator,
@@ -45,8 +46,27 @@ def test_contract(name):
     adv = out.turn_values("turn_advantages")
     assert adv.dtype == np.float32 and adv.shape == (batch.num_turns,) and np.isfinite(adv).all()
     assert "turn_advantages" not in batch and batch.metrics == {}
-    assert set(out.metrics) >= {"adv/mean", "adv/zero_advantage_group_frac"}
+    assert all(
+        key.startswith(f"{name}/") for key in out.metrics
+    )  # estimators count under their name
     assert out.table.equals(est(batch).table)
+
+
+def test_advantage_metrics_count_zero_advantage_groups():
+    from ray_credit.testing import make_batch
+
+    batch = make_batch(
+        [
+            {"group": "wrong", "reward": 0, "turns": 2},
+            {"group": "wrong", "reward": 0, "turns": 1},
+            {"group": "mixed", "reward": 1, "turns": 1},
+            {"group": "mixed", "reward": 0, "turns": 3},
+        ]
+    )
+    metrics = advantage_metrics(get_estimator("grpo")(batch))
+    assert metrics["adv/zero_advantage_group_frac"] == 0.5
+    assert metrics["adv/max_abs"] == pytest.approx(0.707106, abs=1e-5)
+    assert metrics["adv/mean"] == pytest.approx((0.707106 - 3 * 0.707106) / 7, abs=1e-5)
 
 
 def test_user_estimator_registers_and_resolves():
