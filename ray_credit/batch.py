@@ -288,17 +288,18 @@ class TrajectoryBatch:
     @cached_property
     def _group_layout(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
         col = self.column("group_id")
-        n = len(col)
         # Fast path: generators emit the G samples of a prompt together, so each group is
-        # usually one contiguous run of rows; then only the run heads need hashing.
-        if n > 1:
-            changed = pc.not_equal(col.slice(1), col.slice(0, n - 1)).to_numpy(zero_copy_only=False)
-            starts = np.concatenate(([0], np.flatnonzero(changed) + 1)).astype(np.int64)
-        else:
-            starts = np.zeros(min(n, 1), dtype=np.int64)
-        if len(pc.unique(col.take(pa.array(starts)))) == len(starts):
-            sizes = np.diff(np.append(starts, n))
-            return np.repeat(np.arange(len(starts), dtype=np.int64), sizes), None, starts, sizes
+        # usually one run of equal ids; then only the run values need hashing.
+        runs = pc.run_end_encode(col)
+        if len(pc.unique(runs.values)) == len(runs.values):
+            ends = runs.run_ends.to_numpy().astype(np.int64)
+            sizes = np.diff(ends, prepend=0)
+            return (
+                np.repeat(np.arange(len(sizes), dtype=np.int64), sizes),
+                None,
+                ends - sizes,
+                sizes,
+            )
         index = np.asarray(pc.dictionary_encode(col).indices, dtype=np.int64)
         sizes = np.bincount(index)
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
@@ -377,17 +378,25 @@ class TrajectoryBatch:
                 )
             values = values.fill_null(pa.scalar(null, values.type))
         if pa.types.is_boolean(values.type):
-            return values.to_numpy(zero_copy_only=False)
+            return bool_values(values)
         if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
             return np.asarray(values.to_pylist(), dtype=object)
         return values.to_numpy(zero_copy_only=False)
 
     def turn_valid(self, name: str) -> np.ndarray:
         """Boolean mask over flat turns: True where ``name`` is not null."""
-        values = self._flat_turn_array(name)
-        if not values.null_count:
-            return np.ones(len(values), dtype=bool)
-        return values.is_valid().to_numpy(zero_copy_only=False)
+        return valid_mask(self._flat_turn_array(name))
+
+    def turn_view(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """A numeric turn column as a zero-copy flat view and its validity mask.
+
+        Entries under a null are arbitrary: read the view only where the mask is True
+        (this skips the ``fill_null`` copy that :meth:`turn_values` makes).
+        """
+        values, valid = numeric_view(self._flat_turn_array(name))
+        if values is None:
+            _fail(f"turn_view needs a numeric column; {name!r} is not (use turn_values)")
+        return values, valid
 
     def _flat_turn_array(self, name: str) -> pa.Array:
         if name.startswith("turns."):
@@ -733,6 +742,45 @@ class TrajectoryBatch:
 
 
 # ---------------------------------------------------------------------- helpers
+# Arrow -> numpy straight from the buffers, without fill_null or to_numpy round trips.
+
+
+def numeric_view(array: pa.Array) -> tuple[np.ndarray | None, np.ndarray]:
+    """A numeric Arrow array as a zero-copy view of its values buffer, and its validity.
+
+    An entry under a null is arbitrary, so read the view only where the mask is True
+    (this skips a ``fill_null`` copy). The view is None for other types (booleans are
+    bit-packed).
+    """
+    valid = valid_mask(array)
+    numeric = pa.types.is_integer(array.type) or pa.types.is_floating(array.type)
+    if not numeric or len(array) == 0:
+        return None, valid
+    dtype = np.dtype(array.type.to_pandas_dtype())
+    values = np.frombuffer(array.buffers()[1], dtype=dtype, count=array.offset + len(array))
+    return values[array.offset :], valid
+
+
+def valid_mask(array: pa.Array) -> np.ndarray:
+    """Boolean numpy mask, True where ``array`` is not null (its validity bitmap)."""
+    if array.null_count in (0, len(array)):  # all valid, or all null (maybe no bitmap)
+        return np.full(len(array), array.null_count == 0)
+    return _unpack_bits(array.buffers()[0], array.offset, len(array))
+
+
+def bool_values(array: pa.BooleanArray) -> np.ndarray:
+    """A boolean Arrow array without nulls as a numpy mask (its values bitmap)."""
+    if array.null_count:
+        raise ValueError("bool_values needs an array without nulls; fill them first")
+    return _unpack_bits(array.buffers()[1], array.offset, len(array))
+
+
+def _unpack_bits(bitmap: pa.Buffer, offset: int, length: int) -> np.ndarray:
+    # An Arrow bitmap is LSB-first; unpacking it is far cheaper than to_numpy on bools.
+    bits = np.frombuffer(bitmap, dtype=np.uint8)
+    return np.unpackbits(bits, count=offset + length, bitorder="little")[offset:].view(bool)
+
+
 def _from_ipc_unchecked(data: pa.Buffer) -> TrajectoryBatch:
     with pa.ipc.open_stream(data) as reader:
         return TrajectoryBatch(reader.read_all(), validate=False)

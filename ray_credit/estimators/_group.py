@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from ray_credit.batch import TrajectoryBatch
+from ray_credit.batch import TrajectoryBatch, bool_values, numeric_view
 
 SINGLETON_POLICIES = ("zero_mean_unit_std", "center")
 
@@ -71,17 +73,7 @@ def normalize_by_key(
     values: np.ndarray, keys: np.ndarray, num_keys: int, spec: NormSpec
 ) -> np.ndarray:
     """Normalize ``values`` within each key following ``spec`` (see :class:`NormSpec`)."""
-    values = np.asarray(values, dtype=np.float64)
-    count, mean, std = key_stats(values, keys, num_keys, ddof=spec.ddof, var_eps=spec.var_eps)
-    single = count <= 1
-    if spec.singleton == "zero_mean_unit_std":
-        mean = np.where(single, 0.0, mean)
-    # "center" keeps mean = the value itself, so a singleton normalizes to 0.
-    centered = values - mean[keys]
-    if not spec.norm_by_std:
-        return centered
-    std = np.where(single, 1.0, std)
-    return centered / (std[keys] + spec.eps)
+    return normalize_where(np.asarray(values, dtype=np.float64), keys, num_keys, spec)[0]
 
 
 def broadcast_to_turns(batch: TrajectoryBatch, per_traj: np.ndarray) -> np.ndarray:
@@ -89,115 +81,138 @@ def broadcast_to_turns(batch: TrajectoryBatch, per_traj: np.ndarray) -> np.ndarr
     return np.repeat(per_traj, batch.turn_counts)
 
 
-def turn_mask(batch: TrajectoryBatch) -> np.ndarray:
-    """``(n_traj, max_turns)`` boolean matrix, True where the turn exists.
-
-    Row-major order of its True cells is the flat turn order, so ``dense[mask]`` is the
-    flat view of a dense matrix and ``dense[mask] = flat`` fills one.
-    """
-    width = int(batch.turn_counts.max())
-    return np.arange(width)[None, :] < batch.turn_counts[:, None]
-
-
-def to_dense(
-    batch: TrajectoryBatch, flat: np.ndarray, fill: float | np.ndarray = 0.0
-) -> np.ndarray:
-    """Flat per-turn values as an ``(n_traj, max_turns)`` float64 matrix.
-
-    ``fill`` (a scalar or one value per trajectory) goes where a trajectory has no turn.
-    """
-    n, width = len(batch), int(batch.turn_counts.max())
-    fill = np.asarray(fill, dtype=np.float64)
-    dense = np.empty((n, width))
-    dense[...] = fill[:, None] if fill.ndim else fill
-    dense[turn_mask(batch)] = flat
-    return dense
-
-
-def from_dense(batch: TrajectoryBatch, dense: np.ndarray) -> np.ndarray:
-    """The existing turns of a dense matrix, back in flat turn order."""
-    return dense[turn_mask(batch)]
-
-
-def column_normalize(
-    batch: TrajectoryBatch, dense: np.ndarray, counted: np.ndarray, spec: NormSpec
-) -> np.ndarray:
-    """Normalize each column of an ``(n_traj, width)`` matrix within each prompt group.
-
-    Cell ``(i, k)`` is normalized against the counted cells of column ``k`` of its group
-    (``counted`` is a boolean matrix of the same shape); uncounted cells come back 0.
-    Groups are reduced as contiguous row blocks, never through per-cell key lookups.
-    """
-    order = batch.group_order
-    values = dense if order is None else dense[order]
-    weight = (counted if order is None else counted[order]).astype(np.float64)
-    sizes = batch.group_sizes
-    if (sizes == sizes[0]).all():
-        # Equal-size groups (the usual case): a (groups, size, width) view, broadcasting.
-        shape = (len(sizes), int(sizes[0]), values.shape[1])
-        normalized = _normalize_blocks(values.reshape(shape), weight.reshape(shape), spec)
-        normalized = normalized.reshape(values.shape)
-    else:
-        # Ragged groups: pad each group to the largest with uncounted rows.
-        rows = np.arange(len(values)) - np.repeat(batch.group_starts, sizes)
-        shape = (len(sizes), int(sizes.max()), values.shape[1])
-        block_values, block_weight = np.zeros(shape), np.zeros(shape)
-        block_values[np.repeat(np.arange(len(sizes)), sizes), rows] = values
-        block_weight[np.repeat(np.arange(len(sizes)), sizes), rows] = weight
-        normalized = _normalize_blocks(block_values, block_weight, spec)
-        normalized = normalized[np.repeat(np.arange(len(sizes)), sizes), rows]
-    if order is None:
-        return normalized
-    out = np.empty_like(normalized)
-    out[order] = normalized
-    return out
-
-
-def _normalize_blocks(values: np.ndarray, weight: np.ndarray, spec: NormSpec) -> np.ndarray:
-    """:func:`column_normalize` on ``(groups, rows, width)`` blocks with 0/1 weights."""
-
-    def sum_rows(x: np.ndarray) -> np.ndarray:
-        # A loop over the rows of a block (the group size), not over groups: summing
-        # strided slices is several times faster than a reduction over the middle axis.
-        total = x[:, 0].copy()
-        for j in range(1, x.shape[1]):
-            total += x[:, j]
-        return total
-
-    values = values * weight
-    count = sum_rows(weight)
-    mean = np.divide(sum_rows(values), count, out=np.zeros(count.shape), where=count > 0)
-    deviation = (values - mean[:, None]) * weight
-    dof = count - spec.ddof
-    var = np.divide(sum_rows(deviation * deviation), dof, out=np.zeros(dof.shape), where=dof > 0)
-    single = count <= 1
-    if spec.singleton == "zero_mean_unit_std":
-        deviation = (values - np.where(single, 0.0, mean)[:, None]) * weight
-    if spec.norm_by_std:
-        deviation /= (np.where(single, 1.0, np.sqrt(var + spec.var_eps)) + spec.eps)[:, None]
-    return deviation
-
-
-def discounted_reverse_sum(dense: np.ndarray, gamma: float) -> np.ndarray:
-    """``out[:, k] = x[:, k] + gamma * out[:, k+1]`` along the turn axis.
-
-    Cells past a trajectory's last turn must hold 0 so they add nothing.
-    """
-    out = np.array(dense, dtype=np.float64, copy=True)
-    for k in range(out.shape[1] - 2, -1, -1):
-        out[:, k] += gamma * out[:, k + 1]
-    return out
-
-
 def grpo_advantage(
     batch: TrajectoryBatch, spec: NormSpec, column: str = "outcome_reward"
 ) -> np.ndarray:
     """GRPO outcome advantage per trajectory: ``column`` normalized within its group."""
-    rewards = batch.traj_values(column).astype(np.float64)
-    return normalize_by_key(rewards, batch.group_index, batch.num_groups, spec)
+    return group_normalize(batch, batch.traj_values(column).astype(np.float64), spec)
+
+
+def group_normalize(batch: TrajectoryBatch, per_traj: np.ndarray, spec: NormSpec) -> np.ndarray:
+    """One value per trajectory, normalized within its prompt group (see :class:`NormSpec`).
+
+    When the groups are contiguous runs of one size (a generator's G samples in a row,
+    the usual layout) this is a reshape to ``(groups, G)``; otherwise it goes by keys.
+    """
+    sizes = batch.group_sizes
+    if batch.group_order is not None or not (sizes == sizes[0]).all() or sizes[0] == 1:
+        return normalize_by_key(per_traj, batch.group_index, batch.num_groups, spec)
+    block = per_traj.reshape(len(sizes), int(sizes[0]))
+    size = block.shape[1]
+    mean = block.mean(axis=1, keepdims=True)
+    centered = block - mean
+    if spec.norm_by_std:
+        var = np.square(centered).sum(axis=1, keepdims=True) / (size - spec.ddof)
+        centered /= np.sqrt(var + spec.var_eps) + spec.eps
+    return centered.ravel()
 
 
 def group_all(flags: np.ndarray, group_index: np.ndarray, num_groups: int) -> np.ndarray:
     """Per group: True when ``flags`` is True for every member."""
     misses = np.bincount(group_index, weights=~flags, minlength=num_groups)
     return misses == 0
+
+
+def normalize_where(
+    values: np.ndarray,
+    keys: np.ndarray,
+    num_keys: int,
+    spec: NormSpec,
+    mask: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`normalize_by_key` of the entries where ``mask`` holds (0 elsewhere), and the
+    number of such entries per key.
+
+    ``values`` (float64 or float32: the arithmetic is float64) must be 0 where ``mask``
+    is False. Equal to normalizing the masked subset (a masked-out entry adds 0 to every
+    sum, which runs in index order as in the loop references) without copying it out;
+    ``mask=None`` takes every entry.
+    """
+    count = np.bincount(keys, minlength=num_keys)
+    if mask is not None:  # minus the masked-out entries (usually few)
+        count -= np.bincount(keys[~mask], minlength=num_keys)
+    mean = np.bincount(keys, weights=values, minlength=num_keys).astype(np.float64, copy=False)
+    np.divide(mean, count, out=mean, where=count > 0)  # an empty key keeps its sum, 0
+    out = mean[keys]
+    np.subtract(values, out, out=out)
+    if mask is not None:
+        out *= mask
+    scratch = np.square(out)  # one per-entry buffer, reused below (mode="clip": unbuffered)
+    std = np.bincount(keys, weights=scratch, minlength=num_keys).astype(np.float64, copy=False)
+    # count <= ddof: at most one entry, whose squared deviation (the sum kept) is 0.
+    np.divide(std, count - spec.ddof, out=std, where=count > spec.ddof)
+    std += spec.var_eps
+    np.sqrt(std, out=std)
+    single = count <= 1
+    if spec.singleton == "zero_mean_unit_std" and single.any():  # singleton: mean 0
+        np.subtract(
+            values, np.take(np.where(single, 0.0, mean), keys, out=scratch, mode="clip"), out=out
+        )
+        if mask is not None:
+            out *= mask
+    if spec.norm_by_std:
+        out /= np.take(np.where(single, 1.0, std) + spec.eps, keys, out=scratch, mode="clip")
+    return out, count
+
+
+def reverse_discounted_sum(
+    values: np.ndarray, lengths: np.ndarray, gamma: float, *, skip_zeros: bool = False
+) -> np.ndarray:
+    """``out[k] = values[k] + gamma * out[k+1]`` within consecutive segments, in place.
+
+    ``values`` holds segments of ``lengths`` back to back (flat turns: the trajectories).
+    ``skip_zeros=True`` (IGPO's official boundary rule) treats a 0 entry as no turn:
+    ``out[k] = out[k+1]``. Runs backwards from every segment's end at once: step ``d``
+    updates the entries ``d`` before their segment's end, in segments longer than ``d``.
+    """
+    _, last, longer = segments_longest_first(lengths)
+    after = values[last[: longer[1]]] if len(longer) > 2 else None
+    for d in range(1, len(longer) - 1):
+        at = last[: longer[d]] - d
+        after = after[: longer[d]]  # out[k+1]: the previous step, segments longest first
+        current = values[at]
+        step = current + gamma * after
+        if skip_zeros:
+            step = np.where(current != 0, step, after)
+        values[at] = after = step
+    return values
+
+
+def segments_longest_first(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Segments of ``lengths`` (back to back) ordered longest first: ``(order, last,
+    longer)``, with ``last`` the flat index of each ordered segment's last entry and
+    ``longer[d]`` the number of segments longer than ``d``, so those are ``order[:longer[d]]``.
+    """
+    top = int(lengths.max(initial=0))
+    order = np.argsort((top - lengths).astype(np.min_scalar_type(top)), kind="stable")  # radix
+    last = (np.cumsum(lengths) - 1)[order]
+    longer = len(lengths) - np.cumsum(np.bincount(lengths, minlength=top + 1))
+    return order, last, longer
+
+
+def equals_any(strings: pa.Array, *targets: str) -> np.ndarray:
+    """Numpy mask over ``strings``: the string is one of ``targets`` (null: False), for
+    rare targets (actions such as ``invalid``).
+
+    Only strings of a target's byte length can match; when those are a minority, only
+    they go through Arrow's string comparison.
+    """
+    lengths, valid = numeric_view(pc.binary_length(strings))
+    maybe = valid & np.logical_or.reduce([lengths == len(t.encode()) for t in targets])
+    if 2 * np.count_nonzero(maybe) >= len(strings):
+        hit = pc.is_in(strings, pa.array(targets))  # never null
+        return bool_values(hit)
+    subset = np.flatnonzero(maybe)
+    out = np.zeros(len(strings), dtype=bool)
+    out[subset] = bool_values(pc.is_in(strings.take(pa.array(subset)), pa.array(targets)))
+    return out
+
+
+def count_per_traj(batch: TrajectoryBatch, flags: np.ndarray) -> np.ndarray:
+    """Number of True ``flags`` (one per flat turn) in each trajectory, as float64."""
+    if not flags.any():  # e.g. no invalid action, no tool response: skip the scan
+        return np.zeros(len(batch))
+    seen = np.zeros(batch.num_turns + 1, dtype=np.int32 if batch.num_turns < 2**31 else np.int64)
+    np.cumsum(flags, out=seen[1:])
+    offsets = batch.turn_offsets
+    return (seen[offsets[1:]] - seen[offsets[:-1]]).astype(np.float64)

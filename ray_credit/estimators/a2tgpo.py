@@ -50,13 +50,14 @@ import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
-from ray_credit.estimators._group import NormSpec, check_norm_params, grpo_advantage
-from ray_credit.estimators.igpo import (
-    ig_turns,
-    igpo_advantages,
+from ray_credit.estimators._group import (
+    NormSpec,
+    check_norm_params,
+    grpo_advantage,
     normalize_where,
     reverse_discounted_sum,
 )
+from ray_credit.estimators.igpo import ig_turns, igpo_advantages
 
 NORM_MODES = ("turn_group", "joint", "separate")
 

@@ -43,9 +43,7 @@ import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
-from ray_credit.estimators._group import NormSpec, check_norm_params, grpo_advantage
-from ray_credit.estimators.igpo import flat_values
-from ray_credit.estimators.search_p1 import count_per_traj
+from ray_credit.estimators._group import NormSpec, check_norm_params, count_per_traj, grpo_advantage
 
 # The official alpha = inf path divides by max(sum p, 1e-6): a constant of the code, not eps.
 OFFICIAL_SUM_FLOOR = 1e-6
@@ -91,8 +89,8 @@ class CWGRPOConfig:
 def _judgements(batch: TrajectoryBatch) -> tuple[np.ndarray, np.ndarray]:
     """Where ``p = u * v`` is 1 per flat turn (Design 1; a null reads 0), and where both
     judgements are present. Judgements are validated to be 0 or 1, so p is 0 or 1."""
-    u, u_valid = flat_values(batch, "judge_utility")  # arbitrary where null
-    v, v_valid = flat_values(batch, "judge_correct")
+    u, u_valid = batch.turn_view("judge_utility")  # arbitrary where null
+    v, v_valid = batch.turn_view("judge_correct")
     judged = u_valid & v_valid
     binary = ((u == 0) | (u == 1)) & ((v == 0) | (v == 1))
     bad = np.flatnonzero(judged & ~binary)

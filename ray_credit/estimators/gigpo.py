@@ -54,11 +54,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ray_credit.batch import TrajectoryBatch
+from ray_credit.batch import TrajectoryBatch, valid_mask
 from ray_credit.estimators._base import Estimator
-from ray_credit.estimators._group import NormSpec, check_norm_params, key_stats
-from ray_credit.estimators.igpo import normalize_where, segments_longest_first, valid_mask
-from ray_credit.estimators.search_p1 import equals_any
+from ray_credit.estimators._group import (
+    NormSpec,
+    check_norm_params,
+    equals_any,
+    key_stats,
+    normalize_where,
+    segments_longest_first,
+)
 
 MODES = ("mean_norm", "mean_std_norm")
 

@@ -27,7 +27,6 @@ from ray_credit.estimators._group import (
     broadcast_to_turns,
     check_norm_params,
     grpo_advantage,
-    key_stats,
 )
 
 
@@ -77,21 +76,20 @@ class RLOOConfig:
 
 
 def grpo(batch: TrajectoryBatch, config: GRPOConfig) -> TrajectoryBatch:
-    advantage = grpo_advantage(batch, config.norm_spec())
+    advantage = grpo_advantage(batch, config.norm_spec()).astype(np.float32)
     return batch.with_turn_columns({"turn_advantages": broadcast_to_turns(batch, advantage)})
 
 
 def rloo(batch: TrajectoryBatch, config: RLOOConfig) -> TrajectoryBatch:
-    rewards = batch.traj_values("outcome_reward").astype(np.float64)
-    keys = batch.group_index
-    count, mean, _ = key_stats(rewards, keys, batch.num_groups, ddof=0)
-    n = count[keys]
-    loo = np.divide(n, n - 1, out=np.ones_like(n), where=n > 1) * (rewards - mean[keys])
-    if config.singleton_policy == "zero_mean_unit_std":
-        advantage = np.where(n > 1, loo, rewards)
-    else:
-        advantage = np.where(n > 1, loo, 0.0)
-    return batch.with_turn_columns({"turn_advantages": broadcast_to_turns(batch, advantage)})
+    # r - mean_{j != i} r_j = n/(n-1) * (r - mean); a singleton keeps r or gets 0 (policy).
+    advantage = grpo_advantage(
+        batch, NormSpec(norm_by_std=False, singleton=config.singleton_policy)
+    )
+    n = batch.group_sizes.astype(np.float64)
+    advantage *= np.divide(n, n - 1, out=np.ones_like(n), where=n > 1)[batch.group_index]
+    return batch.with_turn_columns(
+        {"turn_advantages": broadcast_to_turns(batch, advantage.astype(np.float32))}
+    )
 
 
 _REQUIRES = ("group_id", "outcome_reward", "turns")

@@ -46,11 +46,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
-from ray_credit.estimators._group import NormSpec, check_norm_params
+from ray_credit.estimators._group import (
+    NormSpec,
+    check_norm_params,
+    normalize_where,
+    reverse_discounted_sum,
+)
 
 NORM_MODES = ("joint", "separate")
 IG_MODES = ("prob_diff", "log_prob_diff")
@@ -103,7 +107,7 @@ def ig_turns(batch: TrajectoryBatch) -> tuple[np.ndarray, np.ndarray, dict[str, 
 
     An IG turn is a non-final turn whose ``turn_info_gain`` is not null.
     """
-    raw, valid = flat_values(batch, "turn_info_gain")
+    raw, valid = batch.turn_view("turn_info_gain")
     last = batch.is_last_turn
     is_ig = valid & ~last
     counts = {
@@ -111,53 +115,6 @@ def ig_turns(batch: TrajectoryBatch) -> tuple[np.ndarray, np.ndarray, dict[str, 
         "final_turn_info_gain_ignored": float(np.count_nonzero(valid & last)),
     }
     return raw, is_ig, counts
-
-
-# Arrow -> numpy straight from the buffers, without fill_null or to_numpy round trips
-# (shared with a2tgpo, cw_grpo, gigpo, search_p1).
-
-
-def flat_values(batch: TrajectoryBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A numeric turn column as a flat view, and its validity mask (:func:`numeric_view`:
-    read the view only where the mask is True). Other types: ``turn_values``, nulls 0."""
-    values, valid = numeric_view(batch.column(name).flatten())
-    return (batch.turn_values(name, null=0) if values is None else values), valid
-
-
-def numeric_view(array: pa.Array) -> tuple[np.ndarray | None, np.ndarray]:
-    """A numeric Arrow array as a zero-copy view of its values buffer, and its validity.
-
-    An entry under a null is arbitrary, so read the view only where the mask is True
-    (this skips a ``fill_null`` copy). The view is None for other types (booleans are
-    bit-packed).
-    """
-    valid = valid_mask(array)
-    numeric = pa.types.is_integer(array.type) or pa.types.is_floating(array.type)
-    if not numeric or len(array) == 0:
-        return None, valid
-    dtype = np.dtype(array.type.to_pandas_dtype())
-    values = np.frombuffer(array.buffers()[1], dtype=dtype, count=array.offset + len(array))
-    return values[array.offset :], valid
-
-
-def valid_mask(array: pa.Array) -> np.ndarray:
-    """Boolean numpy mask, True where ``array`` is not null (its validity bitmap)."""
-    if array.null_count in (0, len(array)):  # all valid, or all null (maybe no bitmap)
-        return np.full(len(array), array.null_count == 0)
-    return _unpack_bits(array.buffers()[0], array.offset, len(array))
-
-
-def bool_values(array: pa.BooleanArray) -> np.ndarray:
-    """A boolean Arrow array without nulls as a numpy mask (its values bitmap)."""
-    if array.null_count:
-        raise ValueError("bool_values needs an array without nulls; fill them first")
-    return _unpack_bits(array.buffers()[1], array.offset, len(array))
-
-
-def _unpack_bits(bitmap: pa.Buffer, offset: int, length: int) -> np.ndarray:
-    # An Arrow bitmap is LSB-first; unpacking it is far cheaper than to_numpy on bools.
-    bits = np.frombuffer(bitmap, dtype=np.uint8)
-    return np.unpackbits(bits, count=offset + length, bitorder="little")[offset:].view(bool)
 
 
 def igpo_advantages(
@@ -182,86 +139,6 @@ def igpo_advantages(
         normalized, batch.turn_counts, gamma, skip_zeros=official_compat
     )
     return advantages, rewards, counts
-
-
-# Flat-turn group helpers (shared with a2tgpo and gigpo).
-
-
-def normalize_where(
-    values: np.ndarray,
-    keys: np.ndarray,
-    num_keys: int,
-    spec: NormSpec,
-    mask: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`normalize_by_key` of the entries where ``mask`` holds (0 elsewhere), and the
-    number of such entries per key.
-
-    ``values`` (float64 or float32: the arithmetic is float64) must be 0 where ``mask``
-    is False. Equal to normalizing the masked subset (a masked-out entry adds 0 to every
-    sum, which runs in index order as in the loop references) without copying it out;
-    ``mask=None`` takes every entry.
-    """
-    count = np.bincount(keys, minlength=num_keys)
-    if mask is not None:  # minus the masked-out entries (usually few)
-        count -= np.bincount(keys[~mask], minlength=num_keys)
-    mean = np.bincount(keys, weights=values, minlength=num_keys).astype(np.float64, copy=False)
-    np.divide(mean, count, out=mean, where=count > 0)  # an empty key keeps its sum, 0
-    out = mean[keys]
-    np.subtract(values, out, out=out)
-    if mask is not None:
-        out *= mask
-    scratch = np.square(out)  # one per-entry buffer, reused below (mode="clip": unbuffered)
-    std = np.bincount(keys, weights=scratch, minlength=num_keys).astype(np.float64, copy=False)
-    # count <= ddof: at most one entry, whose squared deviation (the sum kept) is 0.
-    np.divide(std, count - spec.ddof, out=std, where=count > spec.ddof)
-    std += spec.var_eps
-    np.sqrt(std, out=std)
-    single = count <= 1
-    if spec.singleton == "zero_mean_unit_std" and single.any():  # singleton: mean 0
-        np.subtract(
-            values, np.take(np.where(single, 0.0, mean), keys, out=scratch, mode="clip"), out=out
-        )
-        if mask is not None:
-            out *= mask
-    if spec.norm_by_std:
-        out /= np.take(np.where(single, 1.0, std) + spec.eps, keys, out=scratch, mode="clip")
-    return out, count
-
-
-def reverse_discounted_sum(
-    values: np.ndarray, lengths: np.ndarray, gamma: float, *, skip_zeros: bool = False
-) -> np.ndarray:
-    """``out[k] = values[k] + gamma * out[k+1]`` within consecutive segments, in place.
-
-    ``values`` holds segments of ``lengths`` back to back (flat turns: the trajectories).
-    ``skip_zeros=True`` (IGPO's official boundary rule) treats a 0 entry as no turn:
-    ``out[k] = out[k+1]``. Runs backwards from every segment's end at once: step ``d``
-    updates the entries ``d`` before their segment's end, in segments longer than ``d``.
-    """
-    _, last, longer = segments_longest_first(lengths)
-    after = values[last[: longer[1]]] if len(longer) > 2 else None
-    for d in range(1, len(longer) - 1):
-        at = last[: longer[d]] - d
-        after = after[: longer[d]]  # out[k+1]: the previous step, segments longest first
-        current = values[at]
-        step = current + gamma * after
-        if skip_zeros:
-            step = np.where(current != 0, step, after)
-        values[at] = after = step
-    return values
-
-
-def segments_longest_first(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Segments of ``lengths`` (back to back) ordered longest first: ``(order, last,
-    longer)``, with ``last`` the flat index of each ordered segment's last entry and
-    ``longer[d]`` the number of segments longer than ``d``, so those are ``order[:longer[d]]``.
-    """
-    top = int(lengths.max(initial=0))
-    order = np.argsort((top - lengths).astype(np.min_scalar_type(top)), kind="stable")  # radix
-    last = (np.cumsum(lengths) - 1)[order]
-    longer = len(lengths) - np.cumsum(np.bincount(lengths, minlength=top + 1))
-    return order, last, longer
 
 
 def igpo(batch: TrajectoryBatch, config: IGPOConfig) -> TrajectoryBatch:

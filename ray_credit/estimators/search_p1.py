@@ -45,15 +45,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ray_credit.batch import TrajectoryBatch
+from ray_credit.batch import TrajectoryBatch, bool_values, numeric_view, valid_mask
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
     NormSpec,
     broadcast_to_turns,
     check_norm_params,
+    count_per_traj,
+    equals_any,
     normalize_by_key,
 )
-from ray_credit.estimators.igpo import bool_values, numeric_view, valid_mask
 
 VARIANTS = ("equations", "algorithm3")
 # Evaluator fields and the values each may take (None: a count, any integer >= 0).
@@ -203,41 +204,10 @@ def _format_reward(batch: TrajectoryBatch, config: SearchP1Config) -> tuple[np.n
     return r_f, n_actions
 
 
-# Flat-turn helpers (equals_any and count_per_traj are shared with gigpo and cw_grpo).
-
-
 def _equals(strings: pa.Array, target: str) -> np.ndarray:
     """Numpy mask over ``strings``: the string is ``target`` (null: False)."""
     hit = pc.equal(strings, target)
     return bool_values(pc.fill_null(hit, False) if hit.null_count else hit)
-
-
-def equals_any(strings: pa.Array, *targets: str) -> np.ndarray:
-    """Numpy mask over ``strings``: the string is one of ``targets`` (null: False), for
-    rare targets (actions such as ``invalid``).
-
-    Only strings of a target's byte length can match; when those are a minority, only
-    they go through Arrow's string comparison.
-    """
-    lengths, valid = numeric_view(pc.binary_length(strings))
-    maybe = valid & np.logical_or.reduce([lengths == len(t.encode()) for t in targets])
-    if 2 * np.count_nonzero(maybe) >= len(strings):
-        hit = pc.is_in(strings, pa.array(targets))  # never null
-        return bool_values(hit)
-    subset = np.flatnonzero(maybe)
-    out = np.zeros(len(strings), dtype=bool)
-    out[subset] = bool_values(pc.is_in(strings.take(pa.array(subset)), pa.array(targets)))
-    return out
-
-
-def count_per_traj(batch: TrajectoryBatch, flags: np.ndarray) -> np.ndarray:
-    """Number of True ``flags`` (one per flat turn) in each trajectory, as float64."""
-    if not flags.any():  # e.g. no invalid action, no tool response: skip the scan
-        return np.zeros(len(batch))
-    seen = np.zeros(batch.num_turns + 1, dtype=np.int32 if batch.num_turns < 2**31 else np.int64)
-    np.cumsum(flags, out=seen[1:])
-    offsets = batch.turn_offsets
-    return (seen[offsets[1:]] - seen[offsets[:-1]]).astype(np.float64)
 
 
 def path_centric_reward(batch: TrajectoryBatch, config: SearchP1Config) -> dict[str, np.ndarray]:

@@ -44,13 +44,9 @@ from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
     NormSpec,
-    broadcast_to_turns,
     check_norm_params,
-    column_normalize,
     group_all,
-    grpo_advantage,
-    to_dense,
-    turn_mask,
+    key_stats,
 )
 
 STRATEGIES = ("all_groups", "all_wrong")
@@ -82,45 +78,115 @@ class TSPOConfig:
             raise ValueError(f"padding must be one of {PADDINGS}, got {self.padding!r}")
 
 
-def folr_rewards(batch: TrajectoryBatch, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """Eq. (6) for every flat turn, and which turns got the partial reward."""
+def folr_rewards(batch: TrajectoryBatch, alpha: float) -> tuple[np.ndarray, ...]:
+    """Eq. (6) in run-length form, one row per trajectory.
+
+    Every trajectory's turn rewards are ``a`` on turns ``k < cut`` and ``b`` from ``cut``
+    on (padding included): a wrong trajectory whose gold first shows at turn ``t*`` has
+    ``a = alpha`` up to and including ``t*`` (``cut = t* + 1``) and ``b = 0`` after it
+    (``b = alpha`` when ``t*`` is its last turn, the final reward it is padded with);
+    every other trajectory has ``a = b = outcome``. Returns ``a, b, cut, partial`` and
+    each turn's position in its trajectory.
+    """
     counts, starts = batch.turn_counts, batch.turn_offsets[:-1]
-    contains = batch.turn_values("turn_contains_gold", null=False).astype(np.int32)
-    seen = np.cumsum(contains) - contains  # golds strictly before each turn, batch-wide
-    seen_at_start = seen[starts]
-    golds = seen[batch.turn_offsets[1:] - 1] + contains[batch.turn_offsets[1:] - 1] - seen_at_start
-    # k <= t* <=> the trajectory has a gold, and none of it shows before turn k.
-    none_before = seen == np.repeat(seen_at_start, counts)
+    contains = batch.turn_values("turn_contains_gold", null=False)
+    position = np.arange(batch.num_turns, dtype=np.int32)
+    position -= np.repeat(starts.astype(np.int32), counts)
+    # t* = the smallest position holding a gold; counts[i] (past the end) when none does.
+    t_star = np.minimum.reduceat(np.where(contains, position, np.int32(2**31 - 1)), starts)
+    t_star = np.minimum(t_star, counts)
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
-    partial = np.repeat((outcome == 0) & (golds > 0), counts) & none_before
-    return np.where(partial, alpha, np.repeat(outcome, counts)), partial
+    partial = (outcome == 0) & (t_star < counts)
+    a = np.where(partial, alpha, outcome)
+    b = np.where(partial & (t_star < counts - 1), 0.0, a)
+    cut = np.where(partial, t_star + 1, counts)
+    return a, b, cut, partial, position
+
+
+def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int, eps: float):
+    """Eq. (7) statistics of every (turn column, group): ``mean`` and ``1 / (std + eps)``.
+
+    Each trajectory adds ``a`` to columns ``[0, cut)`` and ``b`` to ``[cut, end)``, with
+    ``end`` past the widest column (padding) or its own length (no padding). Those runs
+    are +/- steps in a ``(column, group)`` difference grid summed down the columns, so the
+    cost is per trajectory, not per cell. Values are shifted by their group's first ``a``
+    before squaring, so an all-equal column has a variance of exactly 0.
+    """
+    width, groups, g = int(batch.turn_counts.max()), batch.num_groups, batch.group_index
+    first = (
+        batch.group_starts if batch.group_order is None else batch.group_order[batch.group_starts]
+    )
+    shift = a[first]
+    a0, b0 = a - shift[g], b - shift[g]
+    padded = padding == "final_reward"
+    cut = cut if padded else np.minimum(cut, batch.turn_counts)
+    starts, cuts = g, cut * groups + g
+    keys = np.concatenate(
+        (starts, cuts) if padded else (starts, cuts, batch.turn_counts * groups + g)
+    )
+
+    def column_sums(x, y):  # x on [0, cut), y on [cut, end)
+        steps = (x, y - x) if padded else (x, y - x, -y)
+        grid = np.bincount(keys, np.concatenate(steps), (width + 1) * groups)
+        return np.cumsum(grid.reshape(width + 1, groups)[:width], axis=0)
+
+    if padded:  # every trajectory is in every column of its group
+        count = np.broadcast_to(batch.group_sizes.astype(np.float64), (width, groups))
+    else:
+        count = column_sums(np.ones(len(batch)), np.ones(len(batch)))
+    total = column_sums(a0, b0)
+    squares = column_sums(a0 * a0, b0 * b0)
+    mean0 = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+    dof = count - ddof
+    var = np.divide(squares - total * mean0, dof, out=np.zeros_like(total), where=dof > 0)
+    std = np.sqrt(np.maximum(var, 0.0))  # shifted sums: only rounding can make var < 0
+    std[count <= 1] = 0.0  # a lone value normalizes to 0 (it equals its mean)
+    return mean0 + shift, 1.0 / (std + eps)
 
 
 def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
-    spec = NormSpec(ddof=config.std_ddof, eps=config.eps, singleton="center")
-    mask = turn_mask(batch)
-    rewards, partial = folr_rewards(batch, config.alpha)
-    final = rewards[batch.turn_offsets[1:] - 1]
-    dense = to_dense(batch, rewards, fill=final)  # Discussion 1: pad with the final reward
-    counted = np.ones_like(mask) if config.padding == "final_reward" else mask
-    advantages = column_normalize(batch, dense, counted, spec)[mask]  # Eq. (7)
-
-    outcome = batch.traj_values("outcome_reward")
+    a, b, cut, partial, position = folr_rewards(batch, config.alpha)
+    outcome = batch.traj_values("outcome_reward").astype(np.float64)
     all_wrong = group_all(outcome == 0, batch.group_index, batch.num_groups)
-    turn_level_groups = np.ones_like(all_wrong)
-    if config.strategy == "all_wrong":
-        turn_level_groups = all_wrong
-        trajectory_level = grpo_advantage(batch, spec)  # Algorithm 1, line 21
-        turn_level = broadcast_to_turns(batch, all_wrong[batch.group_index])
-        advantages = np.where(turn_level, advantages, broadcast_to_turns(batch, trajectory_level))
+    turn_level = all_wrong if config.strategy == "all_wrong" else np.ones_like(all_wrong)
+    # Trajectory-level groups (Algorithm 1, line 21) are GRPO on the outcome: give their
+    # trajectories the outcome on every turn and their cells the group's outcome stats.
+    graded = turn_level[batch.group_index]
+    a, b = np.where(graded, a, outcome), np.where(graded, b, outcome)
+    partial &= graded
+    mean, inv_std = _column_stats(
+        batch, a, b, cut, padding=config.padding, ddof=config.std_ddof, eps=config.eps
+    )
+    if not turn_level.all():
+        spec = NormSpec(ddof=config.std_ddof, eps=config.eps)
+        count, group_mean, group_std = key_stats(
+            outcome, batch.group_index, batch.num_groups, ddof=spec.ddof
+        )
+        mean[:, ~turn_level] = group_mean[~turn_level]
+        inv_std[:, ~turn_level] = np.where(count <= 1, 1.0, 1.0 / (group_std + spec.eps))[
+            ~turn_level
+        ]
 
+    # Per turn: its (column, group) cell and its reward, from per-trajectory repeats.
+    # float32 (the output dtype) and few temporaries: at ~143k turns, allocating pays.
+    counts, groups = batch.turn_counts, batch.num_groups
+    rewards = np.repeat(b.astype(np.float32), counts)
+    np.copyto(
+        rewards, np.repeat(a.astype(np.float32), counts), where=position < np.repeat(cut, counts)
+    )
+    cell = position * groups
+    cell += np.repeat(batch.group_index.astype(np.int32), counts)
+    del position
+    advantages = mean.astype(np.float32).ravel()[cell]
+    np.subtract(rewards, advantages, out=advantages)
+    advantages *= inv_std.astype(np.float32).ravel()[cell]  # Eq. (7)
+
+    null_contains = batch.column("turn_contains_gold").flatten().null_count
     metrics = {
-        "tspo/turn_level_group_frac": float(turn_level_groups.mean()),
+        "tspo/turn_level_group_frac": float(turn_level.mean()),
         "tspo/all_wrong_group_frac": float(all_wrong.mean()),
-        "tspo/partial_reward_turn_frac": float(partial.sum() / batch.num_turns),
-        "tspo/null_contains_gold": float(
-            batch.num_turns - batch.turn_valid("turn_contains_gold").sum()
-        ),
+        "tspo/partial_reward_turn_frac": float(cut[partial].sum() / batch.num_turns),
+        "tspo/null_contains_gold": float(null_contains),
     }
     return batch.with_turn_columns(
         {"turn_rewards": rewards, "turn_advantages": advantages}, metrics=metrics

@@ -52,6 +52,21 @@ def test_contract(name):
     assert out.table.equals(est(batch).table)
 
 
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+@pytest.mark.parametrize("singleton_frac", [0.0, 0.3])
+def test_row_order_does_not_matter(name, singleton_frac):
+    """Shuffled rows (groups no longer contiguous) give the same advantages, shuffled."""
+    batch = random_batch(11, num_groups=10, max_turns=6, singleton_frac=singleton_frac)
+    order = np.random.default_rng(0).permutation(len(batch))
+    shuffled = batch.select(order)
+    assert shuffled.group_order is not None
+    est = get_estimator(name)
+    expected = est(batch).select(order).turn_values("turn_advantages")
+    np.testing.assert_allclose(
+        est(shuffled).turn_values("turn_advantages"), expected, rtol=1e-5, atol=1e-6
+    )
+
+
 def test_advantage_metrics_count_zero_advantage_groups():
     from ray_credit.testing import make_batch
 
