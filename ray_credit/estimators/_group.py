@@ -40,6 +40,33 @@ class NormSpec:
             raise ValueError(f"var_eps must be >= 0, got {self.var_eps}")
 
 
+@dataclass(frozen=True)
+class GRPOKnobs:
+    """GRPO's outcome-normalization knobs with verl's defaults, for configs to inherit."""
+
+    eps: float = 1e-6
+    """Added to the std in the denominator."""
+    std_ddof: int = 1
+    """1: sample std (verl, Search-R1, torch.std); 0: population std."""
+    norm_by_std: bool = True
+    """False: mean-only centering, A = r - mean (Dr.GRPO)."""
+    singleton_policy: str = "zero_mean_unit_std"
+    """One-member group: "zero_mean_unit_std" (verl, A = r/(1+eps)) or "center" (A = 0)."""
+
+    def __post_init__(self) -> None:
+        check_norm_params(
+            std_ddof=self.std_ddof, eps=self.eps, singleton_policy=self.singleton_policy
+        )
+
+    def norm_spec(self) -> NormSpec:
+        return NormSpec(
+            ddof=self.std_ddof,
+            eps=self.eps,
+            norm_by_std=self.norm_by_std,
+            singleton=self.singleton_policy,
+        )
+
+
 def check_norm_params(*, std_ddof: int, eps: float, singleton_policy: str = "center") -> None:
     """Validate the fidelity knobs every estimator shares (raises ValueError)."""
     if std_ddof not in (0, 1):

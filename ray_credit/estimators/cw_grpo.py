@@ -43,47 +43,33 @@ import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
-from ray_credit.estimators._group import NormSpec, check_norm_params, count_per_traj, grpo_advantage
+from ray_credit.estimators._group import (
+    GRPOKnobs,
+    count_per_traj,
+    grpo_advantage,
+)
 
 # The official alpha = inf path divides by max(sum p, 1e-6): a constant of the code, not eps.
 OFFICIAL_SUM_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
-class CWGRPOConfig:
+class CWGRPOConfig(GRPOKnobs):
     """CW-GRPO knobs (defaults: the paper's; see the module docstring)."""
 
     alpha: float = math.inf
     """Softmax temperature over judged contributions; 0 is GRPO, math.inf the argmax limit."""
-    eps: float = 1e-6
-    """Added to the std in the denominator of the GRPO outcome advantage."""
-    std_ddof: int = 1
-    """1: sample std (verl GRPO, which A^O inherits); 0: population std."""
-    norm_by_std: bool = True
-    """False: A^O = r - mean (Dr.GRPO-style outcome advantage)."""
-    singleton_policy: str = "zero_mean_unit_std"
-    """One-member group: "zero_mean_unit_std" (verl, A^O = r/(1+eps)) or "center" (A^O = 0)."""
     official_compat: bool = False
     """Reproduce the official code instead of the paper (see the module docstring)."""
     inf_threshold: float = 10.0
     """official_compat only: alpha >= this takes the official alpha = inf path."""
 
     def __post_init__(self) -> None:
-        check_norm_params(
-            std_ddof=self.std_ddof, eps=self.eps, singleton_policy=self.singleton_policy
-        )
+        super().__post_init__()
         if not self.alpha >= 0:
             raise ValueError(f"alpha must be >= 0 (math.inf allowed), got {self.alpha!r}")
         if not self.inf_threshold > 0:
             raise ValueError(f"inf_threshold must be > 0, got {self.inf_threshold!r}")
-
-    def norm_spec(self) -> NormSpec:
-        return NormSpec(
-            ddof=self.std_ddof,
-            eps=self.eps,
-            norm_by_std=self.norm_by_std,
-            singleton=self.singleton_policy,
-        )
 
 
 def _judgements(batch: TrajectoryBatch) -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,7 @@ import numpy as np
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
+    GRPOKnobs,
     NormSpec,
     broadcast_to_turns,
     check_norm_params,
@@ -31,30 +32,8 @@ from ray_credit.estimators._group import (
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
+class GRPOConfig(GRPOKnobs):
     """GRPO knobs; defaults reproduce verl's ``compute_grpo_outcome_advantage``."""
-
-    eps: float = 1e-6
-    """Added to the std in the denominator."""
-    std_ddof: int = 1
-    """1: sample std (verl, Search-R1, torch.std); 0: population std."""
-    norm_by_std: bool = True
-    """False gives Dr.GRPO's mean-only centering."""
-    singleton_policy: str = "zero_mean_unit_std"
-    """One-member group: "zero_mean_unit_std" (verl, A = r/(1+eps)) or "center" (A = 0)."""
-
-    def __post_init__(self) -> None:
-        check_norm_params(
-            std_ddof=self.std_ddof, eps=self.eps, singleton_policy=self.singleton_policy
-        )
-
-    def norm_spec(self) -> NormSpec:
-        return NormSpec(
-            ddof=self.std_ddof,
-            eps=self.eps,
-            norm_by_std=self.norm_by_std,
-            singleton=self.singleton_policy,
-        )
 
 
 @dataclass(frozen=True)

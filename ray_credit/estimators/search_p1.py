@@ -48,9 +48,8 @@ import pyarrow.compute as pc
 from ray_credit.batch import TrajectoryBatch, bool_values, numeric_view, valid_mask
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
-    NormSpec,
+    GRPOKnobs,
     broadcast_to_turns,
-    check_norm_params,
     count_per_traj,
     equals_any,
     normalize_by_key,
@@ -75,7 +74,7 @@ _BOUNDED_BY = {
 
 
 @dataclass(frozen=True)
-class SearchP1Config:
+class SearchP1Config(GRPOKnobs):
     """Search-P1 knobs (defaults: the paper's; see the module docstring)."""
 
     lambda_path: float = 0.3
@@ -94,19 +93,9 @@ class SearchP1Config:
     """r_f for an answer plus a tool response that misses the full condition (Algorithm 3)."""
     correct_threshold: float = 1.0
     """A trajectory is correct when outcome_reward >= this (EM by default)."""
-    eps: float = 1e-6
-    """Added to the std in the GRPO denominator."""
-    std_ddof: int = 1
-    """1: sample std (verl GRPO); 0: population std."""
-    norm_by_std: bool = True
-    """False: A = R_total - mean (Dr.GRPO)."""
-    singleton_policy: str = "zero_mean_unit_std"
-    """One-member group: "zero_mean_unit_std" (verl, A = R/(1+eps)) or "center" (A = 0)."""
 
     def __post_init__(self) -> None:
-        check_norm_params(
-            std_ddof=self.std_ddof, eps=self.eps, singleton_policy=self.singleton_policy
-        )
+        super().__post_init__()
         for name in _WEIGHTS:
             value = getattr(self, name)
             if not 0 <= value < np.inf:
@@ -119,14 +108,6 @@ class SearchP1Config:
             raise ValueError(f"correct_threshold must be finite, got {self.correct_threshold!r}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
-
-    def norm_spec(self) -> NormSpec:
-        return NormSpec(
-            ddof=self.std_ddof,
-            eps=self.eps,
-            norm_by_std=self.norm_by_std,
-            singleton=self.singleton_policy,
-        )
 
 
 def _evaluator(batch: TrajectoryBatch) -> tuple[dict[str, np.ndarray], np.ndarray]:

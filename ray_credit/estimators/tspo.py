@@ -85,22 +85,21 @@ def folr_rewards(batch: TrajectoryBatch, alpha: float) -> tuple[np.ndarray, ...]
     on (padding included): a wrong trajectory whose gold first shows at turn ``t*`` has
     ``a = alpha`` up to and including ``t*`` (``cut = t* + 1``) and ``b = 0`` after it
     (``b = alpha`` when ``t*`` is its last turn, the final reward it is padded with);
-    every other trajectory has ``a = b = outcome``. Returns ``a, b, cut, partial`` and
-    each turn's position in its trajectory.
+    every other trajectory has ``a = b = outcome``. Returns ``a, b, cut, partial``.
     """
-    counts, starts = batch.turn_counts, batch.turn_offsets[:-1]
-    contains = batch.turn_values("turn_contains_gold", null=False)
-    position = np.arange(batch.num_turns, dtype=np.int32)
-    position -= np.repeat(starts.astype(np.int32), counts)
-    # t* = the smallest position holding a gold; counts[i] (past the end) when none does.
-    t_star = np.minimum.reduceat(np.where(contains, position, np.int32(2**31 - 1)), starts)
-    t_star = np.minimum(t_star, counts)
+    counts, offsets = batch.turn_counts, batch.turn_offsets
+    gold = np.flatnonzero(batch.turn_values("turn_contains_gold", null=False))
+    owner = np.searchsorted(offsets, gold, side="right") - 1  # trajectory of each gold turn
+    first = np.ones(len(gold), dtype=bool)
+    first[1:] = owner[1:] != owner[:-1]  # gold turns are sorted: a new owner is its first gold
+    t_star = counts.copy()  # past the end: no gold
+    t_star[owner[first]] = gold[first] - offsets[owner[first]]
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
     partial = (outcome == 0) & (t_star < counts)
     a = np.where(partial, alpha, outcome)
     b = np.where(partial & (t_star < counts - 1), 0.0, a)
     cut = np.where(partial, t_star + 1, counts)
-    return a, b, cut, partial, position
+    return a, b, cut, partial
 
 
 def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int, eps: float):
@@ -145,7 +144,7 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
 
 
 def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
-    a, b, cut, partial, position = folr_rewards(batch, config.alpha)
+    a, b, cut, partial = folr_rewards(batch, config.alpha)
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
     all_wrong = group_all(outcome == 0, batch.group_index, batch.num_groups)
     turn_level = all_wrong if config.strategy == "all_wrong" else np.ones_like(all_wrong)
@@ -167,19 +166,18 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
             ~turn_level
         ]
 
-    # Per turn: its (column, group) cell and its reward, from per-trajectory repeats.
-    # float32 (the output dtype) and few temporaries: at ~143k turns, allocating pays.
-    counts, groups = batch.turn_counts, batch.num_groups
+    # Per turn: its reward (b, then a on the first `cut` turns of the partial trajectories)
+    # and its (group, column) cell. float32 (the output dtype) and few full-length
+    # temporaries: at ~143k turns, each allocation costs as much as the arithmetic.
+    counts, offsets = batch.turn_counts, batch.turn_offsets
     rewards = np.repeat(b.astype(np.float32), counts)
-    np.copyto(
-        rewards, np.repeat(a.astype(np.float32), counts), where=position < np.repeat(cut, counts)
-    )
-    cell = position * groups
-    cell += np.repeat(batch.group_index.astype(np.int32), counts)
-    del position
-    advantages = mean.astype(np.float32).ravel()[cell]
+    rewards[_leading_turns(offsets[:-1][partial], cut[partial])] = config.alpha
+    width = mean.shape[0]
+    cell = np.arange(batch.num_turns, dtype=np.int64)
+    cell += np.repeat(batch.group_index * width - offsets[:-1], counts)  # group * width + k
+    advantages = np.ascontiguousarray(mean.T, dtype=np.float32).ravel()[cell]
     np.subtract(rewards, advantages, out=advantages)
-    advantages *= inv_std.astype(np.float32).ravel()[cell]  # Eq. (7)
+    advantages *= np.ascontiguousarray(inv_std.T, dtype=np.float32).ravel()[cell]  # Eq. (7)
 
     null_contains = batch.column("turn_contains_gold").flatten().null_count
     metrics = {
@@ -191,6 +189,13 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
     return batch.with_turn_columns(
         {"turn_rewards": rewards, "turn_advantages": advantages}, metrics=metrics
     )
+
+
+def _leading_turns(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Flat indices of the first ``lengths[i]`` turns of the trajectories starting at ``starts``."""
+    total = int(lengths.sum())
+    before = np.cumsum(lengths) - lengths
+    return np.arange(total) + np.repeat(starts - before, lengths)
 
 
 ESTIMATORS = (
