@@ -44,6 +44,9 @@ TURN_STRUCT = pa.struct(
     ]
 )
 ACTIONS = ("search", "answer", "invalid", "truncated")
+# group_id is a string column stored dictionary-encoded: the codes are the group index
+# every stage needs, computed once when the batch is built instead of hashed per stage.
+GROUP_ID_TYPE = pa.dictionary(pa.int32(), pa.string())
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,10 @@ class ColumnSpec:
 COLUMNS: dict[str, ColumnSpec] = {
     # --- core: every batch has these -----------------------------------------------------
     "group_id": ColumnSpec(
-        pa.string(), "traj", "prompt group: the G samples of one question", True
+        GROUP_ID_TYPE,
+        "traj",
+        "prompt group: the G samples of one question (dictionary-encoded)",
+        True,
     ),
     "traj_id": ColumnSpec(pa.string(), "traj", "unique id of the trajectory", True),
     "question": ColumnSpec(pa.string(), "traj", "the question", True),
@@ -287,20 +293,25 @@ class TrajectoryBatch:
     # ------------------------------------------------------------------ group view
     @cached_property
     def _group_layout(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
-        col = self.column("group_id")
-        # Fast path: generators emit the G samples of a prompt together, so each group is
-        # usually one run of equal ids; then only the run values need hashing.
-        runs = pc.run_end_encode(col)
-        if len(pc.unique(runs.values)) == len(runs.values):
-            ends = runs.run_ends.to_numpy().astype(np.int64)
-            sizes = np.diff(ends, prepend=0)
-            return (
-                np.repeat(np.arange(len(sizes), dtype=np.int64), sizes),
-                None,
-                ends - sizes,
-                sizes,
-            )
-        index = np.asarray(pc.dictionary_encode(col).indices, dtype=np.int64)
+        codes = self.column("group_id").indices.to_numpy()
+        n = len(codes)
+        starts = (
+            np.flatnonzero(np.concatenate(([True], codes[1:] != codes[:-1])))
+            if n
+            else np.zeros(0, np.int64)
+        )
+        if n and np.bincount(codes[starts]).max() == 1:
+            # Each group is one contiguous run (a generator emits the G samples of a prompt
+            # together): groups are numbered by run.
+            sizes = np.diff(np.append(starts, n))
+            return np.repeat(np.arange(len(starts), dtype=np.int64), sizes), None, starts, sizes
+        # Any other order (e.g. after select): number the codes by first appearance.
+        used, first = np.unique(codes, return_index=True)
+        rank = np.empty(len(used), dtype=np.int64)
+        rank[np.argsort(first)] = np.arange(len(used))
+        lookup = np.zeros(int(used[-1]) + 1 if len(used) else 0, dtype=np.int64)
+        lookup[used] = rank
+        index = lookup[codes]
         sizes = np.bincount(index)
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         return index, np.argsort(index, kind="stable"), starts, sizes
@@ -574,6 +585,8 @@ class TrajectoryBatch:
     def validate(self) -> TrajectoryBatch:
         """Check the whole batch against the schema; raise BatchValidationError if not."""
         names = self._table.column_names
+        if self._table.num_rows == 0:
+            _fail("the batch has no rows; a TrajectoryBatch holds at least one trajectory")
         missing = [c for c in REQUIRED if c not in names]
         if missing:
             _fail(
@@ -599,8 +612,16 @@ class TrajectoryBatch:
         return f"row {i} (traj_id={traj!r})"
 
     def _validate_ids(self) -> None:
+        groups = self.column("group_id")
+        if len(pc.unique(groups.dictionary)) != len(groups.dictionary):
+            _fail(
+                "group_id's dictionary repeats a value, so one group would get two codes; "
+                "build the batch with TrajectoryBatch.from_table/from_records, which re-encode it"
+            )
         for name in ("group_id", "traj_id"):
             col = self.column(name)
+            if pa.types.is_dictionary(col.type):
+                col = col.cast(pa.string())
             bad = np.flatnonzero(
                 ~pc.fill_null(pc.greater(pc.utf8_length(col), 0), False).to_numpy(
                     zero_copy_only=False
@@ -793,6 +814,11 @@ def _set_column(table: pa.Table, name: str, array: pa.Array) -> pa.Table:
 
 
 def _cast_known_columns(table: pa.Table) -> pa.Table:
+    if "group_id" in table.column_names and pa.types.is_dictionary(
+        table.schema.field("group_id").type
+    ):
+        # Re-encode: a dictionary from elsewhere may repeat values or use other index types.
+        table = _set_column(table, "group_id", table.column("group_id").cast(pa.string()))
     for name in table.column_names:
         spec = COLUMNS.get(name)
         if spec is not None and not table.schema.field(name).type.equals(spec.type):

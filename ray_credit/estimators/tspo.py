@@ -88,12 +88,14 @@ def folr_rewards(batch: TrajectoryBatch, alpha: float) -> tuple[np.ndarray, ...]
     every other trajectory has ``a = b = outcome``. Returns ``a, b, cut, partial``.
     """
     counts, offsets = batch.turn_counts, batch.turn_offsets
-    gold = np.flatnonzero(batch.turn_values("turn_contains_gold", null=False))
-    owner = np.searchsorted(offsets, gold, side="right") - 1  # trajectory of each gold turn
-    first = np.ones(len(gold), dtype=bool)
-    first[1:] = owner[1:] != owner[:-1]  # gold turns are sorted: a new owner is its first gold
+    contains = batch.turn_values("turn_contains_gold", null=False)
+    seen = np.cumsum(contains, dtype=np.int32)  # golds up to and including each turn
+    before = np.concatenate((np.zeros(1, np.int32), seen))[offsets]  # golds before each trajectory
+    has_gold = before[1:] > before[:-1]
     t_star = counts.copy()  # past the end: no gold
-    t_star[owner[first]] = gold[first] - offsets[owner[first]]
+    # A trajectory's first gold is the first turn where the running count passes `before`.
+    first = np.searchsorted(seen, before[:-1][has_gold] + np.int32(1))  # int32 both: no cast
+    t_star[has_gold] = first - offsets[:-1][has_gold]
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
     partial = (outcome == 0) & (t_star < counts)
     a = np.where(partial, alpha, outcome)
@@ -118,15 +120,22 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
     shift = a[first]
     a0, b0 = a - shift[g], b - shift[g]
     padded = padding == "final_reward"
-    cut = cut if padded else np.minimum(cut, batch.turn_counts)
-    starts, cuts = g, cut * groups + g
-    keys = np.concatenate(
-        (starts, cuts) if padded else (starts, cuts, batch.turn_counts * groups + g)
-    )
+    end = width if padded else batch.turn_counts
 
-    def column_sums(x, y):  # x on [0, cut), y on [cut, end)
-        steps = (x, y - x) if padded else (x, y - x, -y)
-        grid = np.bincount(keys, np.concatenate(steps), (width + 1) * groups)
+    def column_sums(x, y):  # x on [0, cut), y on [cut, end) == y on [0, end) + (x - y) on [0, cut)
+        steps = x - y
+        lead = np.flatnonzero(steps)  # only FOLR's partial trajectories have x != y
+        grid = np.bincount(
+            np.concatenate((g[lead], cut[lead] * groups + g[lead])),
+            np.concatenate((steps[lead], -steps[lead])),
+            (width + 1) * groups,
+        ).astype(np.float64, copy=False)  # int64 when no trajectory is partial
+        if padded:  # y covers every column: one sum per group
+            grid[:groups] += np.bincount(g, y, groups)
+        else:
+            grid += np.bincount(
+                np.concatenate((g, end * groups + g)), np.concatenate((y, -y)), (width + 1) * groups
+            )
         return np.cumsum(grid.reshape(width + 1, groups)[:width], axis=0)
 
     if padded:  # every trajectory is in every column of its group

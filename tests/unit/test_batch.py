@@ -249,6 +249,46 @@ def test_from_table_casts_and_require_names_producer():
         batch.require(["turn_info_gain"], by="igpo")
 
 
+def test_group_id_is_dictionary_encoded_and_reencoded_on_the_way_in():
+    groups = pa.DictionaryArray.from_arrays(
+        pa.array([0, 1, 2, 0], pa.int8()), pa.array(["a", "b", "a"])
+    )
+    table = pa.table(
+        {
+            "group_id": groups,
+            "traj_id": ["t0", "t1", "t2", "t3"],
+            "question": ["q"] * 4,
+            "gold_answers": [["x"]] * 4,
+            "turns": [[{"action": "answer"}]] * 4,
+            "outcome_reward": [1.0, 0, 1, 0],
+        }
+    )
+    batch = TrajectoryBatch.from_table(table)  # "a" had two codes; now one
+    assert batch.table.schema.field("group_id").type == COLUMNS["group_id"].type
+    np.testing.assert_array_equal(batch.group_index, [0, 1, 0, 0])
+    assert batch.group_order is not None  # group "a" is not one contiguous run
+    np.testing.assert_array_equal(batch.group_sizes, [3, 1])
+    with pytest.raises(BatchValidationError, match="dictionary repeats a value"):
+        TrajectoryBatch(
+            batch.table.set_column(0, "group_id", groups.cast(COLUMNS["group_id"].type))
+        )
+    assert [r["group_id"] for r in batch.to_records()] == ["a", "b", "a", "a"]
+
+
+def test_group_layout_after_select_numbers_groups_by_first_appearance():
+    batch = make_batch([{"group": g} for g in ["x", "x", "y", "y", "z"]])
+    picked = batch.select([4, 2, 0, 3, 1])  # z y x y x
+    np.testing.assert_array_equal(picked.group_index, [0, 1, 2, 1, 2])
+    np.testing.assert_array_equal(picked.group_sizes, [1, 2, 2])
+    np.testing.assert_array_equal(picked.group_order, [0, 1, 3, 2, 4])
+
+
+def test_empty_batch_is_rejected():
+    table = TrajectoryBatch.from_records([record()]).table.slice(0, 0)
+    with pytest.raises(BatchValidationError, match="no rows"):
+        TrajectoryBatch(table)
+
+
 def test_concat_and_select():
     a, b = random_batch(3, num_groups=2), random_batch(4, num_groups=2)
     b = TrajectoryBatch.from_table(
