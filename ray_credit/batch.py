@@ -381,6 +381,9 @@ class TrajectoryBatch:
         to know where they were).
         """
         values = self._flat_turn_array(name)
+        if pa.types.is_boolean(values.type) and values.null_count and null is not None:
+            # Straight from the two bitmaps: no fill_null copy of the column.
+            return np.where(valid_mask(values), bool_values(values, ignore_nulls=True), bool(null))
         if values.null_count:
             if null is None:
                 _fail(
@@ -789,9 +792,13 @@ def valid_mask(array: pa.Array) -> np.ndarray:
     return _unpack_bits(array.buffers()[0], array.offset, len(array))
 
 
-def bool_values(array: pa.BooleanArray) -> np.ndarray:
-    """A boolean Arrow array without nulls as a numpy mask (its values bitmap)."""
-    if array.null_count:
+def bool_values(array: pa.BooleanArray, *, ignore_nulls: bool = False) -> np.ndarray:
+    """A boolean Arrow array as a numpy mask (its values bitmap).
+
+    An array with nulls raises unless ``ignore_nulls``: then the bits under the nulls are
+    arbitrary and the caller masks them with :func:`valid_mask`.
+    """
+    if array.null_count and not ignore_nulls:
         raise ValueError("bool_values needs an array without nulls; fill them first")
     return _unpack_bits(array.buffers()[1], array.offset, len(array))
 

@@ -115,6 +115,17 @@ def grpo_advantage(
     return group_normalize(batch, batch.traj_values(column).astype(np.float64), spec)
 
 
+def group_stats(batch: TrajectoryBatch, per_traj: np.ndarray, *, ddof: int):
+    """Per prompt group ``(count, mean, std)`` of one value per trajectory (std 0 when
+    the count is too small for ``ddof``); a reshape when groups are contiguous runs of
+    one size, keys otherwise."""
+    sizes = batch.group_sizes
+    if batch.group_order is not None or not (sizes == sizes[0]).all() or sizes[0] <= ddof:
+        return key_stats(per_traj, batch.group_index, batch.num_groups, ddof=ddof)
+    block = per_traj.reshape(len(sizes), int(sizes[0]))
+    return sizes.astype(np.float64), block.mean(axis=1), block.std(axis=1, ddof=ddof)
+
+
 def group_normalize(batch: TrajectoryBatch, per_traj: np.ndarray, spec: NormSpec) -> np.ndarray:
     """One value per trajectory, normalized within its prompt group (see :class:`NormSpec`).
 

@@ -43,10 +43,9 @@ import numpy as np
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
-    NormSpec,
     check_norm_params,
     group_all,
-    key_stats,
+    group_stats,
 )
 
 STRATEGIES = ("all_groups", "all_wrong")
@@ -89,13 +88,13 @@ def folr_rewards(batch: TrajectoryBatch, alpha: float) -> tuple[np.ndarray, ...]
     """
     counts, offsets = batch.turn_counts, batch.turn_offsets
     contains = batch.turn_values("turn_contains_gold", null=False)
-    seen = np.cumsum(contains, dtype=np.int32)  # golds up to and including each turn
-    before = np.concatenate((np.zeros(1, np.int32), seen))[offsets]  # golds before each trajectory
-    has_gold = before[1:] > before[:-1]
+    golds = np.flatnonzero(contains)  # flat indices of the gold turns, in order
+    before = np.zeros(len(batch) + 1, dtype=np.int64)  # golds before each trajectory
+    np.cumsum(np.add.reduceat(contains, offsets[:-1], dtype=np.int64), out=before[1:])
+    with_gold = np.flatnonzero(before[1:] > before[:-1])
     t_star = counts.copy()  # past the end: no gold
-    # A trajectory's first gold is the first turn where the running count passes `before`.
-    first = np.searchsorted(seen, before[:-1][has_gold] + np.int32(1))  # int32 both: no cast
-    t_star[has_gold] = first - offsets[:-1][has_gold]
+    # The first gold of trajectory i is gold number before[i], counting from 0.
+    t_star[with_gold] = golds[before[with_gold]] - offsets[with_gold]
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
     partial = (outcome == 0) & (t_star < counts)
     a = np.where(partial, alpha, outcome)
@@ -136,20 +135,25 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
             grid += np.bincount(
                 np.concatenate((g, end * groups + g)), np.concatenate((y, -y)), (width + 1) * groups
             )
-        return np.cumsum(grid.reshape(width + 1, groups)[:width], axis=0)
+        grid = grid.reshape(width + 1, groups)[:width]
+        return np.cumsum(grid, axis=0, out=grid)
 
     if padded:  # every trajectory is in every column of its group
         count = np.broadcast_to(batch.group_sizes.astype(np.float64), (width, groups))
     else:
         count = column_sums(np.ones(len(batch)), np.ones(len(batch)))
     total = column_sums(a0, b0)
-    squares = column_sums(a0 * a0, b0 * b0)
-    mean0 = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+    spread = column_sums(a0 * a0, b0 * b0)  # becomes the variance, then 1 / (std + eps)
+    mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+    spread -= np.multiply(total, mean, out=total)  # sum of squared deviations
     dof = count - ddof
-    var = np.divide(squares - total * mean0, dof, out=np.zeros_like(total), where=dof > 0)
-    std = np.sqrt(np.maximum(var, 0.0))  # shifted sums: only rounding can make var < 0
-    std[count <= 1] = 0.0  # a lone value normalizes to 0 (it equals its mean)
-    return mean0 + shift, 1.0 / (std + eps)
+    np.divide(spread, dof, out=spread, where=dof > 0)
+    spread[(dof <= 0) | (count <= 1)] = 0.0  # a lone value normalizes to 0 (it is its mean)
+    np.maximum(spread, 0.0, out=spread)  # shifted sums: only rounding can make it < 0
+    np.sqrt(spread, out=spread)
+    spread += eps
+    mean += shift
+    return mean, np.reciprocal(spread, out=spread)
 
 
 def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
@@ -166,14 +170,10 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
         batch, a, b, cut, padding=config.padding, ddof=config.std_ddof, eps=config.eps
     )
     if not turn_level.all():
-        spec = NormSpec(ddof=config.std_ddof, eps=config.eps)
-        count, group_mean, group_std = key_stats(
-            outcome, batch.group_index, batch.num_groups, ddof=spec.ddof
-        )
+        count, group_mean, group_std = group_stats(batch, outcome, ddof=config.std_ddof)
+        inv = np.where(count <= 1, 1.0, 1.0 / (group_std + config.eps))
         mean[:, ~turn_level] = group_mean[~turn_level]
-        inv_std[:, ~turn_level] = np.where(count <= 1, 1.0, 1.0 / (group_std + spec.eps))[
-            ~turn_level
-        ]
+        inv_std[:, ~turn_level] = inv[~turn_level]
 
     # Per turn: its reward (b, then a on the first `cut` turns of the partial trajectories)
     # and its (group, column) cell. float32 (the output dtype) and few full-length
@@ -182,8 +182,9 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
     rewards = np.repeat(b.astype(np.float32), counts)
     rewards[_leading_turns(offsets[:-1][partial], cut[partial])] = config.alpha
     width = mean.shape[0]
-    cell = np.arange(batch.num_turns, dtype=np.int64)
-    cell += np.repeat(batch.group_index * width - offsets[:-1], counts)  # group * width + k
+    index = np.int32 if batch.num_turns + mean.size < 2**31 else np.int64
+    cell = np.arange(batch.num_turns, dtype=index)
+    cell += np.repeat((batch.group_index * width - offsets[:-1]).astype(index), counts)  # g*width+k
     advantages = np.ascontiguousarray(mean.T, dtype=np.float32).ravel()[cell]
     np.subtract(rewards, advantages, out=advantages)
     advantages *= np.ascontiguousarray(inv_std.T, dtype=np.float32).ravel()[cell]  # Eq. (7)
