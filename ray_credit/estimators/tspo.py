@@ -77,14 +77,17 @@ class TSPOConfig:
             raise ValueError(f"padding must be one of {PADDINGS}, got {self.padding!r}")
 
 
-def folr_rewards(batch: TrajectoryBatch, alpha: float) -> tuple[np.ndarray, ...]:
+def folr_rewards(
+    batch: TrajectoryBatch, alpha: float, eligible: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
     """Eq. (6) in run-length form, one row per trajectory.
 
     Every trajectory's turn rewards are ``a`` on turns ``k < cut`` and ``b`` from ``cut``
     on (padding included): a wrong trajectory whose gold first shows at turn ``t*`` has
     ``a = alpha`` up to and including ``t*`` (``cut = t* + 1``) and ``b = 0`` after it
     (``b = alpha`` when ``t*`` is its last turn, the final reward it is padded with);
-    every other trajectory has ``a = b = outcome``. Returns ``a, b, cut, partial``.
+    every other trajectory, and any outside ``eligible`` (a mask over trajectories), has
+    ``a = b = outcome``. Returns ``a, b, cut, partial`` (where the partial reward went).
     """
     counts, offsets = batch.turn_counts, batch.turn_offsets
     contains = batch.turn_values("turn_contains_gold", null=False)
@@ -97,6 +100,8 @@ def folr_rewards(batch: TrajectoryBatch, alpha: float) -> tuple[np.ndarray, ...]
     t_star[with_gold] = golds[before[with_gold]] - offsets[with_gold]
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
     partial = (outcome == 0) & (t_star < counts)
+    if eligible is not None:
+        partial &= eligible
     a = np.where(partial, alpha, outcome)
     b = np.where(partial & (t_star < counts - 1), 0.0, a)
     cut = np.where(partial, t_star + 1, counts)
@@ -157,15 +162,12 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
 
 
 def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
-    a, b, cut, partial = folr_rewards(batch, config.alpha)
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
     all_wrong = group_all(outcome == 0, batch.group_index, batch.num_groups)
     turn_level = all_wrong if config.strategy == "all_wrong" else np.ones_like(all_wrong)
-    # Trajectory-level groups (Algorithm 1, line 21) are GRPO on the outcome: give their
-    # trajectories the outcome on every turn and their cells the group's outcome stats.
-    graded = turn_level[batch.group_index]
-    a, b = np.where(graded, a, outcome), np.where(graded, b, outcome)
-    partial &= graded
+    # Trajectory-level groups (Algorithm 1, line 21) are GRPO on the outcome: their
+    # trajectories keep the outcome on every turn and their cells get the group's stats.
+    a, b, cut, partial = folr_rewards(batch, config.alpha, eligible=turn_level[batch.group_index])
     mean, inv_std = _column_stats(
         batch, a, b, cut, padding=config.padding, ddof=config.std_ddof, eps=config.eps
     )
