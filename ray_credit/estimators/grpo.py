@@ -65,7 +65,8 @@ def rloo(batch: TrajectoryBatch, config: RLOOConfig) -> TrajectoryBatch:
         batch, NormSpec(norm_by_std=False, singleton=config.singleton_policy)
     )
     n = batch.group_sizes.astype(np.float64)
-    advantage *= np.divide(n, n - 1, out=np.ones_like(n), where=n > 1)[batch.group_index]
+    scale = np.divide(n, n - 1, out=np.ones_like(n), where=n > 1)  # 1 for a singleton
+    advantage *= scale[0] if (scale == scale[0]).all() else scale[batch.group_index]
     return batch.with_turn_columns(
         {"turn_advantages": broadcast_to_turns(batch, advantage.astype(np.float32))}
     )
