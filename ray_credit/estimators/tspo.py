@@ -92,8 +92,9 @@ def folr_rewards(
     counts, offsets = batch.turn_counts, batch.turn_offsets
     contains = batch.turn_values("turn_contains_gold", null=False)
     golds = np.flatnonzero(contains)  # flat indices of the gold turns, in order
+    seen = np.cumsum(contains, dtype=np.int32)  # golds up to and including each turn
     before = np.zeros(len(batch) + 1, dtype=np.int64)  # golds before each trajectory
-    np.cumsum(np.add.reduceat(contains, offsets[:-1], dtype=np.int64), out=before[1:])
+    before[1:] = seen[offsets[1:] - 1]
     with_gold = np.flatnonzero(before[1:] > before[:-1])
     t_star = counts.copy()  # past the end: no gold
     # The first gold of trajectory i is gold number before[i], counting from 0.
@@ -126,20 +127,21 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
     padded = padding == "final_reward"
     end = width if padded else batch.turn_counts
 
-    def column_sums(x, y):  # x on [0, cut), y on [cut, end) == y on [0, end) + (x - y) on [0, cut)
-        steps = x - y
-        lead = np.flatnonzero(steps)  # only FOLR's partial trajectories have x != y
-        grid = np.bincount(
-            np.concatenate((g[lead], cut[lead] * groups + g[lead])),
-            np.concatenate((steps[lead], -steps[lead])),
-            (width + 1) * groups,
-        ).astype(np.float64, copy=False)  # int64 when no trajectory is partial
+    # Each trajectory adds y on [0, end) and (x - y) on [0, cut); only FOLR's partial
+    # trajectories have x != y, so only they add steps at their cut.
+    lead = np.flatnonzero(a0 != b0)
+    lead_keys = np.concatenate((g[lead], cut[lead] * groups + g[lead]))
+    if not padded:
+        run_keys = np.concatenate((g, end * groups + g))
+
+    def column_sums(x, y):
+        steps = x[lead] - y[lead]
+        size = (width + 1) * groups
+        grid = np.bincount(lead_keys, np.concatenate((steps, -steps)), size).astype(np.float64)
         if padded:  # y covers every column: one sum per group
             grid[:groups] += np.bincount(g, y, groups)
         else:
-            grid += np.bincount(
-                np.concatenate((g, end * groups + g)), np.concatenate((y, -y)), (width + 1) * groups
-            )
+            grid += np.bincount(run_keys, np.concatenate((y, -y)), size)
         grid = grid.reshape(width + 1, groups)[:width]
         return np.cumsum(grid, axis=0, out=grid)
 
