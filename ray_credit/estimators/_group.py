@@ -145,10 +145,12 @@ def group_normalize(batch: TrajectoryBatch, per_traj: np.ndarray, spec: NormSpec
     return centered.ravel()
 
 
-def group_all(flags: np.ndarray, group_index: np.ndarray, num_groups: int) -> np.ndarray:
-    """Per group: True when ``flags`` is True for every member."""
-    misses = np.bincount(group_index, weights=~flags, minlength=num_groups)
-    return misses == 0
+def group_all(batch: TrajectoryBatch, flags: np.ndarray) -> np.ndarray:
+    """Per prompt group: True when ``flags`` (one per trajectory) is True for every member."""
+    sizes = batch.group_sizes
+    if batch.group_order is None and (sizes == sizes[0]).all():
+        return flags.reshape(len(sizes), int(sizes[0])).all(axis=1)
+    return np.bincount(batch.group_index, weights=~flags, minlength=batch.num_groups) == 0
 
 
 def normalize_where(

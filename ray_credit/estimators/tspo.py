@@ -137,7 +137,8 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
     def column_sums(x, y):
         steps = x[lead] - y[lead]
         size = (width + 1) * groups
-        grid = np.bincount(lead_keys, np.concatenate((steps, -steps)), size).astype(np.float64)
+        grid = np.bincount(lead_keys, np.concatenate((steps, -steps)), size)
+        grid = grid.astype(np.float64, copy=False)  # int64 when no trajectory is partial
         if padded:  # y covers every column: one sum per group
             grid[:groups] += np.bincount(g, y, groups)
         else:
@@ -165,7 +166,7 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
 
 def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
-    all_wrong = group_all(outcome == 0, batch.group_index, batch.num_groups)
+    all_wrong = group_all(batch, outcome == 0)
     turn_level = all_wrong if config.strategy == "all_wrong" else np.ones_like(all_wrong)
     # Trajectory-level groups (Algorithm 1, line 21) are GRPO on the outcome: their
     # trajectories keep the outcome on every turn and their cells get the group's stats.
