@@ -382,8 +382,7 @@ class TrajectoryBatch:
         """
         values = self._flat_turn_array(name)
         if pa.types.is_boolean(values.type) and values.null_count and null is not None:
-            # Straight from the two bitmaps: no fill_null copy of the column.
-            return np.where(valid_mask(values), bool_values(values, ignore_nulls=True), bool(null))
+            return bool_values(values, null=bool(null))
         if values.null_count:
             if null is None:
                 _fail(
@@ -792,15 +791,22 @@ def valid_mask(array: pa.Array) -> np.ndarray:
     return _unpack_bits(array.buffers()[0], array.offset, len(array))
 
 
-def bool_values(array: pa.BooleanArray, *, ignore_nulls: bool = False) -> np.ndarray:
-    """A boolean Arrow array as a numpy mask (its values bitmap).
+def bool_values(array: pa.BooleanArray, *, null: bool | None = None) -> np.ndarray:
+    """A boolean Arrow array as a numpy mask, straight from its bitmaps.
 
-    An array with nulls raises unless ``ignore_nulls``: then the bits under the nulls are
-    arbitrary and the caller masks them with :func:`valid_mask`.
+    Nulls raise unless ``null`` says what they read as; the fill happens on the packed
+    bytes (values AND validity, or values OR NOT validity), before unpacking.
     """
-    if array.null_count and not ignore_nulls:
-        raise ValueError("bool_values needs an array without nulls; fill them first")
-    return _unpack_bits(array.buffers()[1], array.offset, len(array))
+    if not array.null_count:
+        return _unpack_bits(array.buffers()[1], array.offset, len(array))
+    if null is None:
+        raise ValueError("the boolean array has nulls; pass null=True/False to fill them")
+    end = (array.offset + len(array) + 7) // 8
+    values = np.frombuffer(array.buffers()[1], dtype=np.uint8, count=end)
+    valid = np.frombuffer(array.buffers()[0], dtype=np.uint8, count=end)
+    packed = values | ~valid if null else values & valid
+    bits = np.unpackbits(packed, count=array.offset + len(array), bitorder="little")
+    return bits[array.offset :].view(bool)
 
 
 def _unpack_bits(bitmap: pa.Buffer, offset: int, length: int) -> np.ndarray:

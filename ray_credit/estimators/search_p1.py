@@ -188,7 +188,7 @@ def _format_reward(batch: TrajectoryBatch, config: SearchP1Config) -> tuple[np.n
 def _equals(strings: pa.Array, target: str) -> np.ndarray:
     """Numpy mask over ``strings``: the string is ``target`` (null: False)."""
     hit = pc.equal(strings, target)
-    return bool_values(pc.fill_null(hit, False) if hit.null_count else hit)
+    return bool_values(hit, null=False)
 
 
 def path_centric_reward(batch: TrajectoryBatch, config: SearchP1Config) -> dict[str, np.ndarray]:

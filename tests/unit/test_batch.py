@@ -299,3 +299,25 @@ def test_concat_and_select():
     picked = both.select([len(a), 0])
     assert picked.to_records()[0]["traj_id"] == "b0"
     assert io  # parquet accepts file objects too
+
+
+@pytest.mark.parametrize("start", [0, 3, 8, 11])
+def test_bitmap_readers_match_arrow_on_sliced_arrays_with_nulls(start):
+    from ray_credit.batch import bool_values, numeric_view, valid_mask
+
+    rng = np.random.default_rng(start)
+    raw = [None if rng.random() < 0.3 else bool(rng.random() < 0.5) for _ in range(40)]
+    array = pa.array(raw).slice(start, 21)
+    expected = array.to_pylist()
+    assert valid_mask(array).tolist() == [v is not None for v in expected]
+    for fill in (False, True):
+        assert bool_values(array, null=fill).tolist() == [
+            fill if v is None else v for v in expected
+        ]
+    with pytest.raises(ValueError, match="has nulls"):
+        bool_values(array)
+    numbers = pa.array([None if v is None else float(v) for v in raw]).slice(start, 21)
+    values, valid = numeric_view(numbers)
+    assert [float(x) for x, ok in zip(values, valid, strict=True) if ok] == [
+        v for v in numbers.to_pylist() if v is not None
+    ]
