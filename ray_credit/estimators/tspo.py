@@ -177,8 +177,8 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
     if not turn_level.all():
         count, group_mean, group_std = group_stats(batch, outcome, ddof=config.std_ddof)
         inv = np.where(count <= 1, 1.0, 1.0 / (group_std + config.eps))
-        mean[:, ~turn_level] = group_mean[~turn_level]
-        inv_std[:, ~turn_level] = inv[~turn_level]
+        np.copyto(mean, group_mean, where=~turn_level)  # broadcast down the columns
+        np.copyto(inv_std, inv, where=~turn_level)
 
     # Per turn: its reward (b, then a on the first `cut` turns of the partial trajectories)
     # and its (group, column) cell. float32 (the output dtype) and few full-length
