@@ -127,24 +127,22 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
     padded = padding == "final_reward"
     end = width if padded else batch.turn_counts
 
-    # Each trajectory adds y on [0, end) and (x - y) on [0, cut); only FOLR's partial
-    # trajectories have x != y, so only they add steps at their cut.
+    # Each trajectory adds y on columns [0, end) and (x - y) on [0, cut); only FOLR's
+    # partial trajectories have x != y. "Adds w on [0, c)" is w at column c - 1 of a
+    # (column, group) grid, summed from the last column down.
     lead = np.flatnonzero(a0 != b0)
-    lead_keys = np.concatenate((g[lead], cut[lead] * groups + g[lead]))
-    if not padded:
-        run_keys = np.concatenate((g, end * groups + g))
+    lead_keys = (cut[lead] - 1) * groups + g[lead]
+    run_keys = None if padded else (end - 1) * groups + g
+
+    def below(keys, weights):
+        grid = np.bincount(keys, weights, width * groups).astype(np.float64, copy=False)
+        grid = grid.reshape(width, groups)[::-1]
+        return np.cumsum(grid, axis=0, out=grid)[::-1]
 
     def column_sums(x, y):
-        steps = x[lead] - y[lead]
-        size = (width + 1) * groups
-        grid = np.bincount(lead_keys, np.concatenate((steps, -steps)), size)
-        grid = grid.astype(np.float64, copy=False)  # int64 when no trajectory is partial
-        if padded:  # y covers every column: one sum per group
-            grid[:groups] += np.bincount(g, y, groups)
-        else:
-            grid += np.bincount(run_keys, np.concatenate((y, -y)), size)
-        grid = grid.reshape(width + 1, groups)[:width]
-        return np.cumsum(grid, axis=0, out=grid)
+        sums = below(lead_keys, x[lead] - y[lead])
+        sums += np.bincount(g, y, groups) if padded else below(run_keys, y)
+        return sums
 
     if padded:  # every trajectory is in every column of its group
         count = np.broadcast_to(batch.group_sizes.astype(np.float64), (width, groups))
