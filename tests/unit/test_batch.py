@@ -108,6 +108,14 @@ def test_flat_views_are_zero_copy_and_indexed():
     ]
 
 
+def test_trajectory_views_with_nulls():
+    batch = make_batch([{"sp1_planner_score": 1.2}, {"sp1_planner_score": None}])
+    np.testing.assert_array_equal(batch.traj_valid("sp1_planner_score"), [True, False])
+    np.testing.assert_allclose(batch.traj_values("sp1_planner_score", null=-1), [1.2, -1], rtol=1e-6)
+    with pytest.raises(BatchValidationError, match="null"):
+        batch.traj_values("sp1_planner_score")
+
+
 def test_nulls_need_an_explicit_fill():
     batch = make_batch([{"turns": 2, "judge_utility": [1, None]}])
     with pytest.raises(BatchValidationError, match="null"):
