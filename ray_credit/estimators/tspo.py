@@ -28,6 +28,12 @@ has no ``t*`` and gets ``r_i^out`` on every turn. With ``alpha = 0`` TSPO is GRP
 population std. Null entries of ``turn_contains_gold`` are read as "not contained" and
 counted in ``tspo/null_contains_gold``.
 
+Outputs: ``turn_advantages`` and ``turn_rewards``, the reward Eq. (7) normalized (FOLR in
+turn-level groups, the outcome in trajectory-level ones). The implementation never
+builds a per-cell matrix: each trajectory's rewards are two runs (``a`` up to ``t*``,
+``b`` after), and Eq. (7)'s column statistics come from a difference grid over
+(turn column, group), so the cost is one pass over the trajectories plus a gather per turn.
+
 Departures: Eq. (7)'s text says "trajectories that contain turn k" while Discussion 1
 pads every trajectory to the group's longest; ``padding="final_reward"`` (default)
 follows Discussion 1, ``padding="none"`` uses only real turns. Outcomes other than 0/1
