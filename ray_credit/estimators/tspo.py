@@ -98,9 +98,7 @@ def folr_rewards(
     counts, offsets = batch.turn_counts, batch.turn_offsets
     contains = batch.turn_values("turn_contains_gold", null=False)
     golds = np.flatnonzero(contains)  # flat indices of the gold turns, in order
-    seen = np.cumsum(contains, dtype=np.int32)  # golds up to and including each turn
-    before = np.zeros(len(batch) + 1, dtype=np.int64)  # golds before each trajectory
-    before[1:] = seen[offsets[1:] - 1]
+    before = np.searchsorted(golds, offsets)  # golds before each trajectory (and in all)
     with_gold = np.flatnonzero(before[1:] > before[:-1])
     t_star = counts.copy()  # past the end: no gold
     # The first gold of trajectory i is gold number before[i], counting from 0.
