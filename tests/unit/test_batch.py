@@ -111,7 +111,9 @@ def test_flat_views_are_zero_copy_and_indexed():
 def test_trajectory_views_with_nulls():
     batch = make_batch([{"sp1_planner_score": 1.2}, {"sp1_planner_score": None}])
     np.testing.assert_array_equal(batch.traj_valid("sp1_planner_score"), [True, False])
-    np.testing.assert_allclose(batch.traj_values("sp1_planner_score", null=-1), [1.2, -1], rtol=1e-6)
+    np.testing.assert_allclose(
+        batch.traj_values("sp1_planner_score", null=-1), [1.2, -1], rtol=1e-6
+    )
     with pytest.raises(BatchValidationError, match="null"):
         batch.traj_values("sp1_planner_score")
 
