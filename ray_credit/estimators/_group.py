@@ -80,20 +80,37 @@ def check_norm_params(*, std_ddof: int, eps: float, singleton_policy: str = "cen
 
 
 def key_stats(
-    values: np.ndarray, keys: np.ndarray, num_keys: int, *, ddof: int, var_eps: float = 0.0
+    values: np.ndarray,
+    keys: np.ndarray,
+    num_keys: int,
+    *,
+    ddof: int,
+    var_eps: float = 0.0,
+    weights: np.ndarray | None = None,
 ):
     """Per-key ``(count, mean, std)``; std is 0 where the count is too small for ``ddof``.
 
+    ``weights[i]`` (default 1) says how many equal values ``values[i]`` stands for.
     Two-pass (mean first, then squared deviations) so an all-equal key has std exactly 0.
     """
-    count = np.bincount(keys, minlength=num_keys).astype(np.float64)
-    total = np.bincount(keys, weights=values, minlength=num_keys)
+    w = None if weights is None else np.asarray(weights, dtype=np.float64)
+    count = np.bincount(keys, weights=w, minlength=num_keys).astype(np.float64, copy=False)
+    total = np.bincount(keys, weights=values if w is None else w * values, minlength=num_keys)
     mean = np.divide(total, count, out=np.zeros(num_keys), where=count > 0)
-    deviation = values - mean[keys]
-    sq = np.bincount(keys, weights=deviation * deviation, minlength=num_keys)
+    sq = (values - mean[keys]) ** 2
+    sq = np.bincount(keys, weights=sq if w is None else w * sq, minlength=num_keys)
     dof = count - ddof
     var = np.divide(sq, dof, out=np.zeros(num_keys), where=dof > 0)
     return count, mean, np.sqrt(var + var_eps)
+
+
+def _block_size(batch: TrajectoryBatch) -> int | None:
+    """G when every prompt group is one contiguous run of G rows (a generator's layout,
+    so per-group work is a reshape to ``(groups, G)``); None otherwise."""
+    sizes = batch.group_sizes
+    if batch.group_order is None and (sizes == sizes[0]).all():
+        return int(sizes[0])
+    return None
 
 
 def normalize_by_key(
@@ -119,11 +136,11 @@ def group_stats(batch: TrajectoryBatch, per_traj: np.ndarray, *, ddof: int):
     """Per prompt group ``(count, mean, std)`` of one value per trajectory (std 0 when
     the count is too small for ``ddof``); a reshape when groups are contiguous runs of
     one size, keys otherwise."""
-    sizes = batch.group_sizes
-    if batch.group_order is not None or not (sizes == sizes[0]).all() or sizes[0] <= ddof:
+    size = _block_size(batch)
+    if size is None or size <= ddof:
         return key_stats(per_traj, batch.group_index, batch.num_groups, ddof=ddof)
-    block = per_traj.reshape(len(sizes), int(sizes[0]))
-    return sizes.astype(np.float64), block.mean(axis=1), block.std(axis=1, ddof=ddof)
+    block = per_traj.reshape(-1, size)
+    return batch.group_sizes.astype(np.float64), block.mean(axis=1), block.std(axis=1, ddof=ddof)
 
 
 def group_normalize(batch: TrajectoryBatch, per_traj: np.ndarray, spec: NormSpec) -> np.ndarray:
@@ -132,11 +149,10 @@ def group_normalize(batch: TrajectoryBatch, per_traj: np.ndarray, spec: NormSpec
     When the groups are contiguous runs of one size (a generator's G samples in a row,
     the usual layout) this is a reshape to ``(groups, G)``; otherwise it goes by keys.
     """
-    sizes = batch.group_sizes
-    if batch.group_order is not None or not (sizes == sizes[0]).all() or sizes[0] == 1:
+    size = _block_size(batch)
+    if size is None or size == 1:
         return normalize_by_key(per_traj, batch.group_index, batch.num_groups, spec)
-    block = per_traj.reshape(len(sizes), int(sizes[0]))
-    size = block.shape[1]
+    block = per_traj.reshape(-1, size)
     mean = block.mean(axis=1, keepdims=True)
     centered = block - mean
     if spec.norm_by_std:
@@ -147,9 +163,9 @@ def group_normalize(batch: TrajectoryBatch, per_traj: np.ndarray, spec: NormSpec
 
 def group_all(batch: TrajectoryBatch, flags: np.ndarray) -> np.ndarray:
     """Per prompt group: True when ``flags`` (one per trajectory) is True for every member."""
-    sizes = batch.group_sizes
-    if batch.group_order is None and (sizes == sizes[0]).all():
-        return flags.reshape(len(sizes), int(sizes[0])).all(axis=1)
+    size = _block_size(batch)
+    if size is not None:
+        return flags.reshape(-1, size).all(axis=1)
     return np.bincount(batch.group_index, weights=~flags, minlength=batch.num_groups) == 0
 
 

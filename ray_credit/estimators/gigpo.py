@@ -246,7 +246,7 @@ def _episode_term(
     group, num_groups, ddof = batch.group_index, batch.num_groups, config.std_ddof
     if penalty is None:
         weight = batch.turn_counts if config.cross_steps else None
-        count, mean, std = _weighted_stats(outcome, weight, group, num_groups, ddof)
+        count, mean, std = key_stats(outcome, group, num_groups, ddof=ddof, weights=weight)
         values, keys = outcome, group
     else:  # s_k = outcome - penalty_k, one per turn-row
         values = np.repeat(outcome, batch.turn_counts) - penalty
@@ -258,23 +258,6 @@ def _episode_term(
     if config.mode == "mean_std_norm":
         term /= (std + config.eps)[keys]
     return term if penalty is not None else np.repeat(term, batch.turn_counts)
-
-
-def _weighted_stats(
-    values: np.ndarray, weight: np.ndarray | None, keys: np.ndarray, num_keys: int, ddof: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-key ``(count, mean, std)`` when ``values[i]`` stands for ``weight[i]`` equal
-    values (None: 1); std is 0 where the count is too small for ``ddof``."""
-    if weight is None:
-        return key_stats(values, keys, num_keys, ddof=ddof)
-    weight = weight.astype(np.float64)
-    count = np.bincount(keys, weights=weight, minlength=num_keys)
-    total = np.bincount(keys, weights=weight * values, minlength=num_keys)
-    mean = np.divide(total, count, out=np.zeros(num_keys), where=count > 0)
-    deviation = values - mean[keys]
-    sq = np.bincount(keys, weights=weight * deviation * deviation, minlength=num_keys)
-    dof = count - ddof
-    return count, mean, np.sqrt(np.divide(sq, dof, out=np.zeros(num_keys), where=dof > 0))
 
 
 ESTIMATORS = (
