@@ -98,11 +98,12 @@ def folr_rewards(
     counts, offsets = batch.turn_counts, batch.turn_offsets
     contains = batch.turn_values("turn_contains_gold", null=False)
     golds = np.flatnonzero(contains)  # flat indices of the gold turns, in order
-    before = np.searchsorted(golds, offsets)  # golds before each trajectory (and in all)
-    with_gold = np.flatnonzero(before[1:] > before[:-1])
+    owners = np.take(batch.turn_traj_index, golds)
+    first = np.flatnonzero(owners[1:] != owners[:-1]) + 1  # each owner's first gold...
+    first = np.concatenate(([0], first)) if len(owners) else first  # ...the very first too
+    with_gold = owners[first]
     t_star = counts.copy()  # past the end: no gold
-    # The first gold of trajectory i is gold number before[i], counting from 0.
-    t_star[with_gold] = golds[before[with_gold]] - offsets[with_gold]
+    t_star[with_gold] = golds[first] - offsets[with_gold]
     outcome = batch.traj_values("outcome_reward").astype(np.float64)
     partial = (outcome == 0) & (t_star < counts)
     if eligible is not None:
@@ -127,7 +128,8 @@ def _column_stats(batch: TrajectoryBatch, a, b, cut, *, padding: str, ddof: int,
         batch.group_starts if batch.group_order is None else batch.group_order[batch.group_starts]
     )
     shift = a[first]
-    a0, b0 = a - shift[g], b - shift[g]
+    own_shift = shift[g]
+    a0, b0 = a - own_shift, b - own_shift
     padded = padding == "final_reward"
     end = width if padded else batch.turn_counts
 
@@ -171,30 +173,36 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
     all_wrong = group_all(batch, outcome == 0)
     turn_level = all_wrong if config.strategy == "all_wrong" else np.ones_like(all_wrong)
     # Trajectory-level groups (Algorithm 1, line 21) are GRPO on the outcome: their
-    # trajectories keep the outcome on every turn and their cells get the group's stats.
+    # trajectories keep the outcome on every turn (a = b = outcome). Padded, every column
+    # of such a group holds exactly its outcomes, so the column statistics are the group's;
+    # without padding the columns thin out and the group's own statistics go in instead.
     a, b, cut, partial = folr_rewards(batch, config.alpha, eligible=turn_level[batch.group_index])
     mean, inv_std = _column_stats(
         batch, a, b, cut, padding=config.padding, ddof=config.std_ddof, eps=config.eps
     )
-    if not turn_level.all():
+    if config.padding == "none" and not turn_level.all():
         count, group_mean, group_std = group_stats(batch, outcome, ddof=config.std_ddof)
         inv = np.where(count <= 1, 1.0, 1.0 / (group_std + config.eps))
         np.copyto(mean, group_mean, where=~turn_level)  # broadcast down the columns
         np.copyto(inv_std, inv, where=~turn_level)
 
     # Per turn: its reward (b, then a on the first `cut` turns of the partial trajectories)
-    # and its (group, column) cell. float32 (the output dtype) and few full-length
-    # temporaries: at ~143k turns, each allocation costs as much as the arithmetic.
-    counts, offsets = batch.turn_counts, batch.turn_offsets
-    rewards = np.repeat(b.astype(np.float32), counts)
-    rewards[_leading_turns(offsets[:-1][partial], cut[partial])] = config.alpha
+    # and its (group, column) cell. Per-trajectory values reach the turns by np.take over
+    # one owner index, into few and narrow buffers: at ~143k turns, fresh pages and
+    # np.repeat cost as much as the arithmetic.
+    offsets, owner = batch.turn_offsets, batch.turn_traj_index
     width = mean.shape[0]
     index = np.int32 if batch.num_turns + mean.size < 2**31 else np.int64
-    cell = np.arange(batch.num_turns, dtype=index)
-    cell += np.repeat((batch.group_index * width - offsets[:-1]).astype(index), counts)  # g*width+k
-    advantages = np.ascontiguousarray(mean.T, dtype=np.float32).ravel()[cell]
+    flat = np.arange(batch.num_turns, dtype=index)
+    rewards = np.take(b.astype(np.float32), owner)
+    lead_end = np.take((offsets[:-1] + np.where(partial, cut, 0)).astype(index), owner)
+    np.copyto(rewards, np.float32(config.alpha), where=flat < lead_end)
+    cell = np.take((batch.group_index * width - offsets[:-1]).astype(index), owner, out=lead_end)
+    cell += flat  # g * width + k
+    advantages = np.take(np.ascontiguousarray(mean.T, dtype=np.float32).ravel(), cell)
     np.subtract(rewards, advantages, out=advantages)
-    advantages *= np.ascontiguousarray(inv_std.T, dtype=np.float32).ravel()[cell]  # Eq. (7)
+    inv_cells = np.ascontiguousarray(inv_std.T, dtype=np.float32).ravel()
+    advantages *= np.take(inv_cells, cell)  # Eq. (7)
 
     null_contains = batch.column("turn_contains_gold").flatten().null_count
     metrics = {
@@ -206,13 +214,6 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
     return batch.with_turn_columns(
         {"turn_rewards": rewards, "turn_advantages": advantages}, metrics=metrics
     )
-
-
-def _leading_turns(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Flat indices of the first ``lengths[i]`` turns of the trajectories starting at ``starts``."""
-    total = int(lengths.sum())
-    before = np.cumsum(lengths) - lengths
-    return np.arange(total) + np.repeat(starts - before, lengths)
 
 
 ESTIMATORS = (

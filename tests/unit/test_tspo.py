@@ -180,6 +180,7 @@ REFERENCES = {"tspo": reference}
         {"strategy": "all_groups"},
         {"alpha": 0.5, "std_ddof": 1},
         {"strategy": "all_groups", "padding": "none", "alpha": 0.3},
+        {"padding": "none", "std_ddof": 1},  # trajectory-level groups take their own stats
         {"eps": 0.05, "alpha": 0.0},
     ],
 )
