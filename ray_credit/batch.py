@@ -86,6 +86,16 @@ COLUMNS: dict[str, ColumnSpec] = {
     "data_source": ColumnSpec(
         pa.string(), "traj", "dataset the question came from (for per-source metrics)"
     ),
+    "supporting_doc_ids": ColumnSpec(
+        pa.list_(pa.string()),
+        "traj",
+        "corpus ids of the documents that support the gold answer (null: the dataset has none)",
+    ),
+    "reference_plan": ColumnSpec(
+        pa.list_(pa.string()),
+        "traj",
+        "Search-P1 reference plan: the search steps that answer the question (made offline)",
+    ),
     # --- tokens: the learner's view -------------------------------------------------------
     "input_ids": ColumnSpec(
         pa.list_(pa.int32()), "token", "prompt + turns + observations, exactly as sampled/fed"
@@ -100,6 +110,12 @@ COLUMNS: dict[str, ColumnSpec] = {
         pa.list_(pa.float32()),
         "token",
         "logprob of each generated token under the sampling policy (0 elsewhere)",
+    ),
+    # --- rollout details (the generator) ---------------------------------------------------
+    "turn_doc_ids": ColumnSpec(
+        pa.list_(pa.list_(pa.string())),
+        "turn",
+        "corpus ids the turn's search returned, best first (null: the turn did not search)",
     ),
     # --- signals added by stages ----------------------------------------------------------
     "turn_contains_gold": ColumnSpec(
