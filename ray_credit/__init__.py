@@ -1,11 +1,32 @@
 """ray_credit: Ray-native RL for LLM search agents with turn-level credit assignment.
 
 Importing the package is cheap: it needs numpy and pyarrow only. torch is imported by
-the losses and the learner, Ray by the actors and the pipeline, each when used.
+the losses and the learner, Ray by the actors and the pipeline, each when used. The
+rollout services below are re-exported lazily: ``ray_credit.Generator`` imports its
+module on first use.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from ray_credit.batch import COLUMNS, BatchValidationError, TrajectoryBatch
 from ray_credit.estimators import ESTIMATORS, Estimator, get_estimator, register_estimator
+
+# name -> module that defines it (imported on first access, PEP 562)
+_LAZY = {
+    "Generator": "ray_credit.actors.generator",
+    "GeneratorConfig": "ray_credit.actors.generator",
+    "make_generator_actor": "ray_credit.actors.generator",
+    "Retriever": "ray_credit.actors.retriever",
+    "RemoteRetriever": "ray_credit.actors.retrieval_server",
+    "make_retriever_actor": "ray_credit.actors.retriever",
+    "serve_retriever": "ray_credit.actors.retrieval_server",
+    "InfoGainScorer": "ray_credit.actors.scorer",
+    "make_scorer_actor": "ray_credit.actors.scorer",
+    "load_model": "ray_credit.models",
+}
 
 __all__ = [
     "COLUMNS",
@@ -15,5 +36,12 @@ __all__ = [
     "TrajectoryBatch",
     "get_estimator",
     "register_estimator",
+    *_LAZY,
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ray_credit' has no attribute {name!r}")

@@ -76,3 +76,22 @@ def test_smollm2_cache_matches_the_gguf_weights():
     prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt")
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1] :])
+
+
+def test_package_import_stays_light_and_services_resolve_lazily():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ray_credit\n"
+        "assert 'torch' not in sys.modules and 'ray' not in sys.modules, 'heavy import'\n"
+        "assert ray_credit.load_model is ray_credit.models.load_model\n"
+        "assert ray_credit.Generator.__module__ == 'ray_credit.actors.generator'\n"
+        "try:\n"
+        "    ray_credit.NoSuchThing\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('unknown name resolved')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
