@@ -133,19 +133,11 @@ class Corpus:
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike) -> Corpus:
-        """Read a FlashRAG ``.jsonl`` corpus: one JSON object per line."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"corpus file {str(path)!r} does not exist")
-        docs = []
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    docs.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{number} is not valid JSON: {err.msg}") from None
+        """Read a FlashRAG ``.jsonl`` (or ``.jsonl.gz``) corpus with
+        :func:`ray_credit.data.iter_corpus` (its format rules and errors)."""
+        from ray_credit.data.loaders import iter_corpus
+
+        docs = [doc for chunk in iter_corpus(path, check_duplicates=False) for doc in chunk]
         return cls(docs, source=str(path))
 
     @classmethod

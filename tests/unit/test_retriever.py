@@ -161,7 +161,7 @@ def test_corpus_errors(tmp_path):
         Corpus.from_jsonl(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "1", "contents": "a\\nb"}\nnot json\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON"):
+    with pytest.raises(ValueError, match="bad.jsonl:2: invalid JSON"):
         Corpus.from_jsonl(bad)
 
 

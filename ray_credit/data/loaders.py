@@ -1,0 +1,315 @@
+"""Loaders for real data: FlashRAG corpora, Search-R1 question sets, and a Ray Data stream.
+
+* :func:`load_corpus` / :func:`iter_corpus`: a FlashRAG ``.jsonl`` corpus (one
+  ``{"id", "contents"}`` object per line, ``contents`` = title line + text; lines with
+  ``title`` and ``text`` instead are accepted), optionally gzipped.
+* :func:`load_qa`: a Search-R1 ``.parquet`` dataset (``question``, ``golden_answers``,
+  ``data_source``; optional ``id``, ``supporting_doc_ids``, ``hops``) or a ``.jsonl`` file
+  with the same keys. Golds nested as ``reward_model.ground_truth.target`` (Search-R1's
+  verl-style files) are accepted.
+* :func:`prompt_stream`: the same records in batches from Ray Data, for sets too large to
+  hold in the driver.
+
+Every error is a :class:`DataFormatError` that names the file, the line (jsonl, from 1) or
+row (parquet, from 0) and what is wrong. Only :func:`prompt_stream` imports Ray.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ray_credit.qa import check_gold_answers
+
+__all__ = ["QA_KEYS", "DataFormatError", "iter_corpus", "load_corpus", "load_qa", "prompt_stream"]
+
+QA_KEYS = ("id", "question", "golden_answers", "data_source", "supporting_doc_ids", "hops")
+"""The keys of every question record the loaders return (``None`` where a file has none)."""
+
+
+class DataFormatError(ValueError):
+    """A corpus or dataset file is malformed; the message names the file, line/row and fix."""
+
+
+# ---------------------------------------------------------------------------- corpus
+def _open_text(path: Path) -> IO[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz"))
+
+
+def _existing(path: str | os.PathLike, what: str) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file {str(path)!r} does not exist (or is not a file)")
+    return path
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` for each non-blank line of a jsonl file."""
+    with _open_text(path) as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(
+                    f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each "
+                    "line must be one JSON object"
+                ) from None
+            if not isinstance(obj, dict):
+                raise DataFormatError(
+                    f"{path}:{number}: expected a JSON object, got {type(obj).__name__}"
+                )
+            yield number, obj
+
+
+def _corpus_doc(obj: Mapping[str, Any], where: str) -> dict:
+    doc_id = obj.get("id")
+    if doc_id is None:
+        raise DataFormatError(f"{where}: missing 'id'; every document needs a unique id")
+    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
+        raise DataFormatError(f"{where}: 'id' must be a str or int, got {doc_id!r}")
+    if "contents" in obj:
+        contents = obj["contents"]
+        if not isinstance(contents, str):
+            raise DataFormatError(
+                f"{where}: 'contents' must be a str, got {type(contents).__name__}"
+            )
+    elif "text" in obj:
+        title, text = obj.get("title", ""), obj["text"]
+        if not isinstance(title, str) or not isinstance(text, str):
+            raise DataFormatError(f"{where}: 'title' and 'text' must be str")
+        contents = f"{title}\n{text}"
+    else:
+        raise DataFormatError(
+            f"{where}: missing 'contents' (title line + text), and no 'title'/'text' to build "
+            f"it from; keys present: {sorted(obj)}"
+        )
+    if not contents.strip():
+        raise DataFormatError(f"{where} (id {str(doc_id)!r}): empty contents")
+    return {"id": str(doc_id), "contents": contents}
+
+
+def iter_corpus(
+    path: str | os.PathLike, batch_size: int = 10_000, *, check_duplicates: bool = True
+) -> Iterator[list[dict]]:
+    """Stream a FlashRAG ``.jsonl`` (or ``.jsonl.gz``) corpus in lists of ``batch_size`` docs.
+
+    Each document comes out as ``{"id": str, "contents": str}``: int ids become str, a
+    line with ``title`` and ``text`` becomes ``contents = title + "\\n" + text``, other keys
+    are dropped, blank lines are skipped.
+
+    Args:
+        path: the corpus file.
+        batch_size: documents per yielded list.
+        check_duplicates: keep every id seen to reject duplicates (a 21 M passage corpus
+            costs a few GB of driver memory for this; turn it off once a corpus is known good).
+
+    Raises:
+        DataFormatError: invalid JSON, a missing or non-str/int id, missing or empty
+            contents, or a duplicate id (both line numbers); the message names ``path:line``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    path = _existing(path, "corpus")
+    first_line: dict[str, int] = {}
+    batch: list[dict] = []
+    for number, obj in _json_lines(path):
+        doc = _corpus_doc(obj, f"{path}:{number}")
+        if check_duplicates:
+            seen = first_line.setdefault(doc["id"], number)
+            if seen != number:
+                raise DataFormatError(
+                    f"{path}:{number}: duplicate id {doc['id']!r} (first on line {seen}); "
+                    "document ids must be unique"
+                )
+        batch.append(doc)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def load_corpus(path: str | os.PathLike) -> list[dict]:
+    """Read a whole FlashRAG corpus: :func:`iter_corpus` in one list (same checks).
+
+    Raises:
+        DataFormatError: as :func:`iter_corpus`, or the file has no document.
+    """
+    docs = [doc for batch in iter_corpus(path) for doc in batch]
+    if not docs:
+        raise DataFormatError(f"{path}: the corpus has no documents")
+    return docs
+
+
+# -------------------------------------------------------------------------- questions
+def _golds_of(row: Mapping[str, Any]) -> Any:
+    """``golden_answers``, else Search-R1's ``reward_model.ground_truth.target``."""
+    if row.get("golden_answers") is not None:
+        return row["golden_answers"]
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    return truth.get("target") if isinstance(truth, Mapping) else truth
+
+
+def _stable_id(index: int, question: str) -> str:
+    digest = hashlib.blake2b(question.encode("utf-8"), digest_size=4).hexdigest()
+    return f"row{index}-{digest}"
+
+
+def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source: str) -> dict:
+    """One validated question record with exactly the keys :data:`QA_KEYS`."""
+    question = row.get("question")
+    if not isinstance(question, str) or not question.strip():
+        problem = "missing 'question'" if question is None else f"empty question {question!r}"
+        raise DataFormatError(f"{where}: {problem}; every row needs a non-blank question")
+    golds = _golds_of(row)
+    if golds is None:
+        raise DataFormatError(
+            f"{where}: no gold answers: expected 'golden_answers' (a list of str) or "
+            "'reward_model': {'ground_truth': {'target': [...]}}"
+        )
+    try:
+        golds = check_gold_answers(golds, where=where)
+    except (TypeError, ValueError) as err:
+        raise DataFormatError(str(err)) from None
+    doc_ids = row.get("supporting_doc_ids")
+    if doc_ids is not None and (
+        isinstance(doc_ids, str) or not all(isinstance(d, str) for d in doc_ids)
+    ):
+        raise DataFormatError(
+            f"{where}: 'supporting_doc_ids' must be a list of str, got {doc_ids!r}"
+        )
+    row_id = row.get("id")
+    return {
+        "id": _stable_id(index, question) if row_id is None else str(row_id),
+        "question": question,
+        "golden_answers": golds,
+        "data_source": row.get("data_source") or default_source,
+        "supporting_doc_ids": None if doc_ids is None else list(doc_ids),
+        "hops": row.get("hops"),
+    }
+
+
+def _qa_columns(names: Sequence[str], path: Path) -> list[str]:
+    """The columns to read from a question file; fails when question or golds are absent."""
+    if "question" not in names:
+        raise DataFormatError(
+            f"{path}: no 'question' column (columns: {list(names)}); a question set needs "
+            "'question' and 'golden_answers'"
+        )
+    if "golden_answers" not in names and "reward_model" not in names:
+        raise DataFormatError(
+            f"{path}: no 'golden_answers' column and no Search-R1 'reward_model' column to read "
+            f"them from (columns: {list(names)})"
+        )
+    return [c for c in (*QA_KEYS, "reward_model") if c in names]
+
+
+def load_qa(path: str | os.PathLike) -> list[dict]:
+    """Read a question set: Search-R1 ``.parquet`` or ``.jsonl`` with the same keys.
+
+    Returns records with the keys :data:`QA_KEYS`. ``golden_answers`` comes from that
+    column, or else from ``reward_model.ground_truth.target``. A missing ``data_source``
+    becomes the file's stem (``nq_test.parquet`` -> ``"nq_test"``); a missing ``id``
+    becomes ``"row<index>-<hash of the question>"``, stable across loads; absent
+    ``supporting_doc_ids`` / ``hops`` are ``None``.
+
+    Raises:
+        DataFormatError: no question column, an empty question, no golds, golds empty or
+            normalizing to ``""`` (see :func:`ray_credit.qa.check_gold_answers`), invalid
+            JSON; the message names the file and the row (parquet, from 0) or line (jsonl).
+    """
+    path = _existing(path, "question set")
+    source = path.name.split(".")[0]
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        columns = _qa_columns(pq.read_schema(path).names, path)
+        rows = pq.read_table(path, columns=columns).to_pylist()
+        return [
+            _qa_record(row, index=i, where=f"{path}, row {i}", default_source=source)
+            for i, row in enumerate(rows)
+        ]
+    if _is_jsonl(path):
+        return [
+            _qa_record(obj, index=i, where=f"{path}:{number}", default_source=source)
+            for i, (number, obj) in enumerate(_json_lines(path))
+        ]
+    raise DataFormatError(
+        f"{path}: unsupported question file type {path.suffix!r}; use .parquet or .jsonl "
+        "(.jsonl.gz)"
+    )
+
+
+# ----------------------------------------------------------------------------- stream
+def prompt_stream(
+    path_or_records: str | os.PathLike | Sequence[Mapping[str, Any]],
+    *,
+    batch_size: int,
+    shuffle_seed: int | None = None,
+) -> Iterator[list[dict]]:
+    """Question records in lists of ``batch_size`` (the last may be shorter), via Ray Data.
+
+    A path (``.parquet`` file or folder, or ``.jsonl``) is read by Ray Data's workers and
+    only one batch at a time reaches the driver; on a multi-node cluster it must be
+    readable from every node (shared filesystem or cloud URI). A list of records is
+    validated in the driver, then handed to ``ray.data.from_items``. Records have the keys
+    and checks of :func:`load_qa`. Unshuffled, the order is the file's; with
+    ``shuffle_seed``, a full shuffle across blocks, the same for the same seed and data.
+
+    A file without an ``id`` column gets :func:`load_qa`'s row-index ids, which exist only
+    in file order: shuffling such a file raises; add ids or pass ``load_qa(path)``.
+    Connects to Ray with ``ray.init()`` only if no cluster is connected yet.
+    """
+    import ray
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not ray.is_initialized():
+        ray.init()
+    if isinstance(path_or_records, (str, os.PathLike)):
+        path = Path(path_or_records)
+        source, where = path.name.split(".")[0], str(path)
+        if _is_jsonl(path):
+            dataset = ray.data.read_json(str(path), lines=True)
+        else:
+            dataset = ray.data.read_parquet(str(path))
+        _qa_columns(dataset.schema().names, path)
+        if shuffle_seed is not None and "id" not in dataset.schema().names:
+            raise DataFormatError(
+                f"{path}: no 'id' column, so a shuffled stream cannot give the rows the "
+                "row-index ids load_qa would; add an 'id' column, pass load_qa(path) instead "
+                "of the path, or stream with shuffle_seed=None"
+            )
+    else:
+        records = [
+            _qa_record(row, index=i, where=f"record {i}", default_source="records")
+            for i, row in enumerate(path_or_records)
+        ]
+        dataset, source, where = ray.data.from_items(records), "records", "record"
+    # A per-dataset copy of the context: file order without touching the global setting.
+    dataset.context.execution_options.preserve_order = True
+    if shuffle_seed is not None:
+        dataset = dataset.random_shuffle(seed=shuffle_seed)
+    index = 0
+    for table in dataset.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
+        rows = table.to_pylist()
+        yield [
+            _qa_record(
+                row, index=index + i, where=f"{where}, row {index + i}", default_source=source
+            )
+            for i, row in enumerate(rows)
+        ]
+        index += len(rows)

@@ -1,0 +1,198 @@
+"""Corpus and question-set loaders: the formats they accept and every error they report."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ray_credit.data import (
+    QA_KEYS,
+    DataFormatError,
+    iter_corpus,
+    load_corpus,
+    load_qa,
+    make_world,
+)
+
+
+def _jsonl(path, lines):
+    path.write_text(
+        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    )
+    return path
+
+
+# ---------------------------------------------------------------------------- corpus
+def test_world_round_trips_through_files(tmp_path):
+    world = make_world(num_entities=60, num_questions=100, seed=2)
+    paths = world.write(tmp_path / "world")
+    assert sorted(paths) == ["corpus", "test", "train"]
+    assert load_corpus(paths["corpus"]) == world.corpus
+    train, test = world.split()
+    assert load_qa(paths["train"]) == train and load_qa(paths["test"]) == test
+    assert pq.read_schema(paths["train"]).names == list(QA_KEYS)
+
+
+def test_corpus_accepts_title_text_int_ids_blank_lines_and_gzip(tmp_path):
+    lines = [
+        {"id": 7, "contents": "Alpha\nfirst doc"},
+        "   ",
+        {"id": "b", "title": "Beta", "text": "second doc", "extra": 1},
+    ]
+    expected = [
+        {"id": "7", "contents": "Alpha\nfirst doc"},
+        {"id": "b", "contents": "Beta\nsecond doc"},
+    ]
+    assert load_corpus(_jsonl(tmp_path / "c.jsonl", lines)) == expected
+    gz = tmp_path / "c.jsonl.gz"
+    gz.write_bytes(gzip.compress((tmp_path / "c.jsonl").read_bytes()))
+    assert load_corpus(gz) == expected
+
+
+def test_iter_corpus_streams_in_batches(tmp_path):
+    path = _jsonl(tmp_path / "c.jsonl", [{"id": i, "contents": f"T{i}\nx"} for i in range(7)])
+    batches = list(iter_corpus(path, batch_size=3))
+    assert [len(b) for b in batches] == [3, 3, 1]
+    assert [d["id"] for b in batches for d in b] == [str(i) for i in range(7)]
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        next(iter_corpus(path, batch_size=0))
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ('{"id": "x", "contents": ', r"c\.jsonl:3: invalid JSON"),
+        ("[1, 2]", r"c\.jsonl:3: expected a JSON object, got list"),
+        ({"contents": "T\ntext"}, r"c\.jsonl:3: missing 'id'"),
+        ({"id": 1.5, "contents": "T\ntext"}, r"c\.jsonl:3: 'id' must be a str or int"),
+        (
+            {"id": "x", "body": "T"},
+            r"c\.jsonl:3: missing 'contents'.*keys present: \['body', 'id'\]",
+        ),
+        ({"id": "x", "contents": " \n "}, r"c\.jsonl:3 \(id 'x'\): empty contents"),
+        ({"id": "x", "title": "", "text": ""}, r"c\.jsonl:3 \(id 'x'\): empty contents"),
+        ({"id": "x", "contents": ["T"]}, r"c\.jsonl:3: 'contents' must be a str, got list"),
+        ({"id": "1", "contents": "T\ndup"}, r"c\.jsonl:3: duplicate id '1' \(first on line 2\)"),
+    ],
+)
+def test_corpus_errors_name_file_line_and_problem(tmp_path, bad_line, message):
+    lines = [{"id": "0", "contents": "A\na"}, {"id": 1, "contents": "B\nb"}, bad_line]
+    path = _jsonl(tmp_path / "c.jsonl", lines)
+    with pytest.raises(DataFormatError, match=message):
+        load_corpus(path)
+
+
+def test_corpus_file_problems(tmp_path):
+    with pytest.raises(FileNotFoundError, match="corpus file .*missing.jsonl"):
+        load_corpus(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataFormatError, match="empty.jsonl: the corpus has no documents"):
+        load_corpus(tmp_path / "empty.jsonl")
+    dup = _jsonl(tmp_path / "d.jsonl", [{"id": "a", "contents": "A"}] * 2)
+    assert len([d for b in iter_corpus(dup, check_duplicates=False) for d in b]) == 2
+
+
+# -------------------------------------------------------------------------- questions
+def _parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_search_r1_parquet_with_nested_golds_and_no_ids(tmp_path):
+    # The layout of Search-R1's processed nq/hotpotqa files (verl style), without ids.
+    rows = [
+        {
+            "data_source": "nq",
+            "question": "who wrote the book?",
+            "prompt": [{"role": "user", "content": "..."}],
+            "reward_model": {"style": "rule", "ground_truth": {"target": ["Ann Lee", "Lee"]}},
+        },
+        {
+            "data_source": "hotpotqa",
+            "question": "which city?",
+            "prompt": [{"role": "user", "content": "..."}],
+            "reward_model": {"style": "rule", "ground_truth": {"target": ["Oslo"]}},
+        },
+    ]
+    path = _parquet(tmp_path / "nq_train.parquet", rows)
+    records = load_qa(path)
+    assert [r["golden_answers"] for r in records] == [["Ann Lee", "Lee"], ["Oslo"]]
+    assert [r["data_source"] for r in records] == ["nq", "hotpotqa"]
+    assert all(set(r) == set(QA_KEYS) for r in records)
+    assert records[0]["supporting_doc_ids"] is None and records[0]["hops"] is None
+    ids = [r["id"] for r in records]
+    assert ids[0].startswith("row0-") and ids[1].startswith("row1-") and ids[0] != ids[1]
+    assert [r["id"] for r in load_qa(path)] == ids  # stable across loads
+    rows[0]["question"] = "who wrote the other book?"
+    assert load_qa(_parquet(path, rows))[0]["id"] != ids[0]  # the text is part of the id
+
+
+def test_golden_answers_column_wins_and_source_defaults_to_file_stem(tmp_path):
+    rows = [{"id": 5, "question": "q?", "golden_answers": ["a1"], "reward_model": None}]
+    (record,) = load_qa(_parquet(tmp_path / "my_set.parquet", rows))
+    assert record == {
+        "id": "5",
+        "question": "q?",
+        "golden_answers": ["a1"],
+        "data_source": "my_set",
+        "supporting_doc_ids": None,
+        "hops": None,
+    }
+
+
+def test_jsonl_question_set(tmp_path):
+    lines = [
+        {"question": "q1?", "golden_answers": "one", "supporting_doc_ids": ["3"], "hops": 1},
+        "",
+        {"id": "b", "question": "q2?", "golden_answers": ["two", "2"], "data_source": "x"},
+    ]
+    records = load_qa(_jsonl(tmp_path / "qa.jsonl", lines))
+    assert records[0]["golden_answers"] == ["one"] and records[0]["supporting_doc_ids"] == ["3"]
+    assert records[0]["id"].startswith("row0-") and records[0]["data_source"] == "qa"
+    assert records[1]["id"] == "b" and records[1]["golden_answers"] == ["two", "2"]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"question": "  ", "golden_answers": ["ok"]}, r"row 1: empty question '  '"),
+        ({"question": None, "golden_answers": ["ok"]}, r"row 1: missing 'question'"),
+        ({"question": "q?", "golden_answers": []}, r"row 1: gold_answers is empty"),
+        ({"question": "q?", "golden_answers": ["The"]}, r"row 1: gold answer 'The' normalizes"),
+        ({"question": "q?", "golden_answers": None}, r"row 1: no gold answers"),
+        (
+            {"question": "q?", "golden_answers": ["ok"], "supporting_doc_ids": [1]},
+            r"row 1: 'supporting_doc_ids' must be a list of str",
+        ),
+    ],
+)
+def test_qa_row_errors_name_file_row_and_problem(tmp_path, row, message):
+    good = {"question": "fine?", "golden_answers": ["yes"], "supporting_doc_ids": None}
+    row = {**good, **row}
+    path = _parquet(tmp_path / "set.parquet", [good, row])
+    with pytest.raises(DataFormatError, match=r"set\.parquet, " + message):
+        load_qa(path)
+    jsonl = _jsonl(tmp_path / "set.jsonl", [good, row])
+    with pytest.raises(DataFormatError, match=r"set\.jsonl:2: " + message.split(": ", 1)[1]):
+        load_qa(jsonl)
+
+
+def test_qa_file_errors(tmp_path):
+    path = _parquet(tmp_path / "noq.parquet", [{"query": "q?", "golden_answers": ["ok"]}])
+    with pytest.raises(DataFormatError, match=r"noq\.parquet: no 'question' column \(columns: \["):
+        load_qa(path)
+    path = _parquet(tmp_path / "nog.parquet", [{"question": "q?", "answer": "a"}])
+    with pytest.raises(DataFormatError, match=r"nog\.parquet: no 'golden_answers' column"):
+        load_qa(path)
+    (tmp_path / "qa.csv").write_text("question,answer\n")
+    with pytest.raises(DataFormatError, match=r"unsupported question file type '\.csv'"):
+        load_qa(tmp_path / "qa.csv")
+    _jsonl(tmp_path / "bad.jsonl", [{"question": "q?", "golden_answers": ["ok"]}, "{oops"])
+    with pytest.raises(DataFormatError, match=r"bad\.jsonl:2: invalid JSON"):
+        load_qa(tmp_path / "bad.jsonl")
+    with pytest.raises(FileNotFoundError, match="question set file"):
+        load_qa(tmp_path / "nope.parquet")
