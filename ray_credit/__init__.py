@@ -24,6 +24,7 @@ _LAZY = {
     "make_retriever_actor": "ray_credit.actors.retriever",
     "serve_retriever": "ray_credit.actors.retrieval_server",
     "InfoGainScorer": "ray_credit.actors.scorer",
+    "JudgePool": "ray_credit.actors.judge",
     "make_scorer_actor": "ray_credit.actors.scorer",
     "load_model": "ray_credit.models",
 }
