@@ -1,0 +1,587 @@
+"""Learner: one policy update per trajectory batch, estimator-blind.
+
+The learner reads only the columns every estimator produces (``turn_advantages``, and
+``turn_clip_scale`` when a batch carries one) plus the token columns the generator wrote
+(``input_ids``, ``loss_mask``, ``token_turn``, ``behavior_logprobs``). It never looks at
+which estimator ran. One call of :meth:`Learner.train` is one published policy update:
+``epochs`` passes over the batch, each split into ``mini_batches`` optimizer steps, each
+optimizer step accumulated over micro-batches of at most ``micro_batch_tokens`` padded
+tokens. The policy version then moves forward by one.
+
+Loss of an optimizer step (verl's actor loss; :mod:`ray_credit.losses` for the terms)::
+
+    L = agg(w * pg) + kl_coef * agg(KL(pi || pi_ref)) - entropy_coef * agg(H(pi))
+
+``agg`` is ``loss.agg_mode``, computed over the whole mini-batch (and under data
+parallelism, over the mini-batch of every rank): each token gets a weight from the
+mini-batch's global counts, so splitting into micro-batches or ranks changes nothing but
+float rounding. ``seq-mean-token-sum-norm`` divides by ``loss.loss_scale_factor``, or
+else by the longest row of the mini-batch.
+
+Off-policy correction (``off_policy``; DESIGN.md section 6):
+
+* ``"none"``: the ratio is taken against the behavior logprobs the generator recorded
+  (PPO's clipped ratio against the sampling policy).
+* ``"tis"``: the ratio is taken against the learner's own logprobs at the start of the
+  update (the proximal policy), and each token's loss is multiplied by the truncated
+  importance weight ``min(pi_prox / pi_behavior, is_cap)``; truncated tokens are counted.
+* ``"decoupled"``: decoupled PPO (AReaL): the same proximal ratio, weight
+  ``pi_prox / pi_behavior``; tokens whose weight exceeds ``is_cap`` are left out of the
+  loss, and counted.
+
+The model is kept in eval mode (no dropout), so its logprobs are the generator's
+sampling logprobs for the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_credit.batch import TrajectoryBatch
+from ray_credit.losses import KL_ESTIMATORS, PolicyLossConfig
+
+__all__ = ["Learner", "LearnerConfig", "make_learner_actor"]
+
+OFF_POLICY = ("none", "tis", "decoupled")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+_STATE_FILE = "learner_state.pt"
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Optimization settings of the learner (defaults: verl's actor, AdamW)."""
+
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (verl's actor default)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    lr_schedule: str = "constant"
+    """After warm-up: ``"constant"``, or ``"linear"`` / ``"cosine"`` decay to
+    ``min_lr_ratio * lr`` at ``total_steps`` (which these two need)."""
+    total_steps: int | None = None
+    """Optimizer steps of the whole run (decaying schedules only)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decaying schedules, as a fraction of ``lr``."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; None disables clipping (the norm is still
+    reported). A non-finite norm skips the optimizer step, and the skip is counted."""
+    epochs: int = 1
+    """Passes over each batch (PPO epochs)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch: the batch's trajectories are split into this many parts."""
+    micro_batch_tokens: int = 4096
+    """Padded tokens (rows x longest row) per forward pass; a longer row gets its own pass."""
+    shuffle: bool = True
+    """Shuffle trajectories before splitting them into mini-batches (seeded)."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Clipped surrogate settings (clip range, aggregation, token/turn ratio)."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the frozen initial policy; 0 turns the reference model off (it
+    is then never loaded)."""
+    kl_kind: str = "k3"
+    """KL estimator (:func:`ray_credit.losses.kl_penalty`)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (the entropy is reported either way)."""
+    off_policy: str = "none"
+    """``"none"``, ``"tis"`` or ``"decoupled"`` (module docstring)."""
+    is_cap: float = 2.0
+    """Importance-weight cap of ``"tis"`` (truncation) and ``"decoupled"`` (exclusion)."""
+    seed: int = 0
+    """Seed of the mini-batch shuffling."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.lr_schedule != "constant" and (self.total_steps is None or self.total_steps < 1):
+            raise ValueError(
+                f"lr_schedule={self.lr_schedule!r} decays to total_steps; set total_steps >= 1"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        for name in ("epochs", "mini_batches", "micro_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("kl_coef and entropy_coef must be >= 0")
+        if self.kl_kind.removesuffix("+") not in (*KL_ESTIMATORS, "kl", "mse", "low_var_kl"):
+            raise ValueError(f"kl_kind={self.kl_kind!r} is not a KL estimator; use {KL_ESTIMATORS}")
+        if self.off_policy not in OFF_POLICY:
+            raise ValueError(f"off_policy must be one of {OFF_POLICY}, got {self.off_policy!r}")
+        if self.is_cap <= 1.0:
+            raise ValueError(f"is_cap must be > 1 (e.g. 2.0), got {self.is_cap}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / (self.warmup_steps + 1)
+        if self.lr_schedule == "constant":
+            return self.lr
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.lr_schedule == "linear":
+            decay = 1.0 - progress
+        else:
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay)
+
+
+class Learner:
+    """A causal LM policy and its optimizer; :meth:`train` applies one update per batch.
+
+    Args:
+        model: ``"smollm2-135m"``, ``"tiny-random"``, an HF id or folder (a learner
+            checkpoint's ``model/`` folder too), or a loaded ``(model, tokenizer)`` pair
+            (then trained in place).
+        config: :class:`LearnerConfig`.
+        device, dtype: where and how to hold the policy (and the reference, if any).
+        world: data-parallel hooks, set by the Ray Train wrapper; ``None`` is one process.
+    """
+
+    def __init__(
+        self,
+        model: str | tuple[Any, Any] = "smollm2-135m",
+        config: LearnerConfig | None = None,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        world: DataParallel | None = None,
+    ) -> None:
+        import torch
+
+        from ray_credit.models import load_model
+
+        self.config = config or LearnerConfig()
+        pair = model if isinstance(model, tuple) else load_model(model, dtype=dtype, device=device)
+        self.model, self.tokenizer = pair
+        self.model.eval()  # no dropout: the learner's logprobs are the sampler's
+        self.world = world or DataParallel()
+        self.train_model = self.world.wrap(self.model)
+        self.reference = None
+        if self.config.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=self.config.lr, betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )  # fmt: skip
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: self.config.lr_at(step) / self.config.lr
+        )
+        self.policy_version = 0
+        self.optimizer_steps = 0
+        self.counters = {"learner/nonfinite_grad_steps": 0, "learner/batches": 0}
+        self._rng = np.random.default_rng(self.config.seed)
+
+    # ---------------------------------------------------------------------- weights
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def get_weights(self) -> dict[str, Any]:
+        """The policy's full state dict as CPU tensors (what generators and scorers load)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def get_policy_version(self) -> int:
+        return self.policy_version
+
+    # ------------------------------------------------------------------------ train
+    def train(self, batch: TrajectoryBatch) -> dict[str, float]:
+        """One policy update on ``batch`` (needs ``turn_advantages``); returns its metrics.
+
+        Under data parallelism every rank passes the whole batch and trains on its share
+        of each mini-batch (every ``size``-th trajectory of it).
+        """
+        import torch
+
+        start = time.perf_counter()
+        batch.require(("turn_advantages",), by="Learner.train")
+        if len(batch) < self.config.mini_batches * self.world.size:
+            raise ValueError(
+                f"a batch of {len(batch)} trajectories cannot give each of {self.world.size} "
+                f"rank(s) a trajectory in each of mini_batches={self.config.mini_batches}; "
+                "use larger batches, or fewer mini-batches or workers"
+            )
+        tensors = batch.to_torch(pad_token_id=int(self.tokenizer.pad_token_id))
+        # Position t predicts token t+1: every per-token tensor is shifted to the targets.
+        data = {
+            "input_ids": tensors["input_ids"],
+            "attention_mask": tensors["attention_mask"],
+            "mask": tensors["loss_mask"][:, 1:],
+            "behavior": tensors["behavior_logprobs"][:, 1:],
+            "advantages": tensors["advantages"][:, 1:],
+            "token_turn": tensors["token_turn"][:, 1:],
+        }
+        if "clip_scale" in tensors:
+            data["clip_scale"] = tensors["clip_scale"][:, 1:]
+        lengths = tensors["attention_mask"].sum(-1)
+        n = len(batch)
+        # The same schedule on every rank (same seed); each rank takes its share of every
+        # mini-batch, so the update does not depend on the number of ranks.
+        schedule = []
+        for _ in range(self.config.epochs):
+            order = self._rng.permutation(n) if self.config.shuffle else np.arange(n)
+            schedule += [
+                rows[self.world.rank :: self.world.size]
+                for rows in np.array_split(order, self.config.mini_batches)
+            ]
+        needed = np.unique(np.concatenate(schedule))
+        if self.config.off_policy != "none":
+            data["proximal"] = self._logprobs_no_grad(self.model, data, lengths, needed)
+        if self.reference is not None:
+            data["reference"] = self._logprobs_no_grad(self.reference, data, lengths, needed)
+
+        totals: dict[str, float] = {}
+        for rows in schedule:
+            step_metrics = self._optimizer_step(data, lengths, torch.as_tensor(rows))
+            for key, value in step_metrics.items():
+                totals[key] = totals.get(key, 0.0) + value
+        steps = self.config.epochs * self.config.mini_batches
+        metrics = {f"learner/{k}": v / steps for k, v in totals.items()}
+        self.policy_version += 1
+        self.counters["learner/batches"] += 1
+        seconds = time.perf_counter() - start
+        tokens = float(tensors["loss_mask"].sum())  # every rank holds the whole batch
+        metrics.update(
+            {
+                "learner/policy_version": float(self.policy_version),
+                "learner/optimizer_steps": float(self.optimizer_steps),
+                "learner/lr": float(self.scheduler.get_last_lr()[0]),
+                "learner/trajectories": float(n),
+                "learner/tokens": tokens,
+                "learner/seconds": seconds,
+                "learner/tokens_per_s": tokens * steps / seconds if seconds > 0 else 0.0,
+                **{k: float(v) for k, v in self.counters.items()},
+            }
+        )
+        return metrics
+
+    def _optimizer_step(self, data: dict, lengths, rows) -> dict[str, float]:
+        import torch
+
+        from ray_credit.losses import entropy_from_logits, kl_penalty, policy_loss_per_token
+
+        config = self.config
+        mask = data["mask"][rows]
+        turn_level = config.loss.ratio_level == "turn"
+        weights = self._token_weights(mask)  # (R, L-1): agg_mode over the global mini-batch
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "clipfrac", "approx_kl")}
+        sums.update(ratio_mean=0.0, ratio_max=0.0, is_weight_mean=0.0, is_limited=0.0)
+        token_count = 0.0
+        micro = list(self._micro_batches(lengths[rows]))
+        for i, part in enumerate(micro):
+            index = rows[part]
+            width = int(lengths[index].max())
+            sl = slice(0, width - 1)
+            m = data["mask"][index, sl].to(self.device)
+            w = weights[part, sl].to(self.device)
+            with self.world.no_sync(self.train_model) if i < len(micro) - 1 else _null():
+                logits = self._logits(self.train_model, data, index, width)
+                logp = _token_logprobs(logits, data["input_ids"][index, 1:width].to(self.device))
+                old = data["proximal" if config.off_policy != "none" else "behavior"]
+                pg = policy_loss_per_token(
+                    logp, old[index, sl].to(self.device), data["advantages"][index, sl].to(self.device),
+                    m, config.loss,
+                    token_turn=data["token_turn"][index, sl].to(self.device) if turn_level else None,
+                    clip_scale=data["clip_scale"][index, sl].to(self.device) if "clip_scale" in data else None,
+                )  # fmt: skip
+                per_token = pg.loss
+                if config.off_policy != "none":
+                    is_weight, limited = self._importance_weight(data, index, sl, m)
+                    per_token = per_token * is_weight
+                    sums["is_weight_mean"] += float((is_weight * m).sum())
+                    sums["is_limited"] += float((limited * m).sum())
+                entropy = entropy_from_logits(
+                    logits.float() if config.entropy_coef else logits.detach().float()
+                )
+                loss = (per_token * w).sum()
+                kl = None
+                if self.reference is not None:
+                    kl = kl_penalty(
+                        logp, data["reference"][index, sl].to(self.device), config.kl_kind
+                    )
+                    loss = loss + config.kl_coef * (kl * w).sum()
+                if config.entropy_coef:
+                    loss = loss - config.entropy_coef * (entropy * w).sum()
+                (loss * self.world.size).backward()  # DDP averages gradients over ranks
+            with torch.no_grad():
+                sums["loss"] += float(loss)
+                sums["pg_loss"] += float((per_token * w).sum())
+                sums["kl"] += float((kl * m).sum()) if kl is not None else 0.0
+                sums["entropy"] += float((entropy * m).sum())
+                sums["clipfrac"] += float((pg.clipped.float() * m).sum())
+                sums["approx_kl"] += float(((old[index, sl].to(self.device) - logp) * m).sum())
+                sums["ratio_mean"] += float((pg.ratio * m).sum())
+                sums["ratio_max"] = max(
+                    sums["ratio_max"], float((pg.ratio * m).max()) if m.any() else 0.0
+                )
+                token_count += float(m.sum())
+        grad_norm = self._clip_and_step()
+        local = {k: v for k, v in sums.items() if k not in ("loss", "pg_loss", "ratio_max")}
+        summed = self.world.all_reduce_sum(
+            {**local, "tokens": token_count, "loss": sums["loss"], "pg_loss": sums["pg_loss"]}
+        )
+        tokens = max(summed.pop("tokens"), 1.0)
+        out = {k: summed[k] for k in ("loss", "pg_loss")}
+        out.update(
+            {k: v / tokens for k, v in summed.items() if k not in ("loss", "pg_loss", "is_limited")}
+        )
+        out["ratio_max"] = self.world.all_reduce_max(sums["ratio_max"])
+        out["grad_norm"] = grad_norm
+        if config.off_policy != "none":
+            out["is_limited_frac"] = summed["is_limited"] / tokens
+        else:
+            out.pop("is_weight_mean")
+        return out
+
+    def _clip_and_step(self) -> float:
+        import torch
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not math.isfinite(norm):
+            self.counters["learner/nonfinite_grad_steps"] += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        return norm
+
+    def _token_weights(self, mask):
+        """Per-token weights whose weighted sum over the global mini-batch is ``agg_mode``."""
+        import torch
+
+        mode = self.config.loss.agg_mode
+        counts = mask.sum(-1)
+        if mode == "token-mean":
+            total = self.world.all_reduce_sum({"n": float(counts.sum())})["n"]
+            return mask / max(total, 1.0)
+        if mode == "seq-mean-token-sum-norm":
+            scale = self.config.loss.loss_scale_factor
+            if scale is None:
+                scale = self.world.all_reduce_max(float(mask.shape[-1]))
+            return mask / scale
+        rows = self.world.all_reduce_sum({"r": float((counts > 0).sum())})["r"]
+        if mode == "seq-mean-token-sum":
+            return mask / max(rows, 1.0)
+        per_row = 1.0 / (counts + 1e-8)
+        return mask * per_row[:, None] / max(rows, 1.0) * (counts > 0)[:, None].to(torch.float32)
+
+    def _importance_weight(self, data: dict, index, sl, mask):
+        import torch
+
+        log_w = (data["proximal"][index, sl] - data["behavior"][index, sl]).to(self.device)
+        weight = torch.exp(log_w.clamp(max=20.0))
+        limited = weight > self.config.is_cap
+        if self.config.off_policy == "tis":
+            weight = weight.clamp(max=self.config.is_cap)
+        else:  # decoupled: tokens beyond the cap leave the loss
+            weight = torch.where(limited, torch.zeros_like(weight), weight)
+        return weight, limited.float()
+
+    def _micro_batches(self, lengths):
+        """Groups of row positions (sorted by length) of at most micro_batch_tokens padded."""
+        order = np.argsort(-lengths.numpy(), kind="stable")
+        part: list[int] = []
+        for pos in order:
+            longest = int(lengths[part[0]]) if part else int(lengths[pos])
+            if part and (len(part) + 1) * longest > self.config.micro_batch_tokens:
+                yield np.array(part)
+                part = []
+            part.append(int(pos))
+        if part:
+            yield np.array(part)
+
+    def _logits(self, model, data: dict, index, width: int):
+        ids = data["input_ids"][index, :width].to(self.device)
+        attention = data["attention_mask"][index, :width].to(self.device)
+        return model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+
+    def _logprobs_no_grad(self, model, data: dict, lengths, rows: np.ndarray):
+        """Per-token logprobs of ``model`` on ``rows`` (targets-aligned, CPU; 0 elsewhere)."""
+        import torch
+
+        out = torch.zeros_like(data["behavior"])
+        with torch.no_grad():
+            for part in self._micro_batches(lengths[rows]):
+                index = torch.as_tensor(rows[part])
+                width = int(lengths[index].max())
+                logits = self._logits(model, data, index, width)
+                ids = data["input_ids"][index, 1:width].to(self.device)
+                out[index, : width - 1] = _token_logprobs(logits, ids).float().cpu()
+        return out * data["mask"]
+
+    # ------------------------------------------------------------------- checkpoint
+    def save(self, folder: str | Path) -> Path:
+        """Model (+ tokenizer) in HF format under ``folder/model``; optimizer, scheduler,
+        RNG states and counters in ``folder/learner_state.pt``."""
+        import torch
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder / "model", safe_serialization=True)
+        self.tokenizer.save_pretrained(folder / "model")
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "policy_version": self.policy_version,
+            "optimizer_steps": self.optimizer_steps,
+            "counters": dict(self.counters),
+            "config": asdict(self.config),
+            "rng": {
+                "numpy": self._rng.bit_generator.state,
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+            },
+            "reference": self.reference.state_dict() if self.reference is not None else None,
+        }
+        torch.save(state, folder / _STATE_FILE)
+        return folder
+
+    def load_state(self, folder: str | Path) -> None:
+        """Restore what :meth:`save` wrote (the model itself is loaded from ``folder/model``
+        by the constructor: ``Learner(f"{folder}/model", config)``)."""
+        import torch
+
+        path = Path(folder) / _STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: not a learner checkpoint folder")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:  # a truncated or foreign file
+            raise ValueError(f"{path} is not a readable learner checkpoint: {err}") from err
+        saved = state.get("config", {})
+        mismatched = {
+            k: (saved.get(k), v)
+            for k, v in asdict(self.config).items()
+            if k in ("kl_coef", "off_policy", "mini_batches", "epochs") and saved.get(k) != v
+        }
+        if mismatched:
+            raise ValueError(
+                f"{path} was written with a different learner config {mismatched} "
+                "(saved, current); resume with the same settings"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.policy_version = int(state["policy_version"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.counters.update(state["counters"])
+        self._rng.bit_generator.state = state["rng"]["numpy"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if self.reference is not None and state["reference"] is not None:
+            self.reference.load_state_dict(state["reference"])
+
+
+def _token_logprobs(logits, targets):
+    """log softmax(logits)[target] per position, in float32, without a (B, L, V) log-softmax."""
+    logits = logits.float()
+    return logits.gather(-1, targets[..., None])[..., 0] - logits.logsumexp(-1)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class DataParallel:
+    """Hooks for data parallelism; this base class is one process (every hook is identity)."""
+
+    size = 1
+    rank = 0
+
+    def wrap(self, model):
+        return model
+
+    def no_sync(self, model):
+        return _null()
+
+    def all_reduce_sum(self, values: Mapping[str, float]) -> dict[str, float]:
+        return dict(values)
+
+    def all_reduce_max(self, value: float) -> float:
+        return value
+
+
+class TorchDistributed(DataParallel):
+    """``torch.distributed`` data parallelism (DDP), as set up by Ray Train's TorchTrainer."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "TorchDistributed needs an initialized process group (run inside Ray Train's "
+                "TorchTrainer, or call torch.distributed.init_process_group first)"
+            )
+        self._dist = dist
+        self.size = dist.get_world_size()
+        self.rank = dist.get_rank()
+
+    def wrap(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(model.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+    def all_reduce_sum(self, values: Mapping[str, float]) -> dict[str, float]:
+        import torch
+
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        self._dist.all_reduce(t)
+        return dict(zip(keys, t.tolist(), strict=True))
+
+    def all_reduce_max(self, value: float) -> float:
+        import torch
+
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
+        return float(t[0])
+
+
+def make_learner_actor(
+    model: str = "smollm2-135m",
+    config: LearnerConfig | None = None,
+    *,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    resources: Mapping[str, float] | None = None,
+    **kwargs: Any,
+):
+    """A :class:`Learner` as a Ray actor (``num_gpus > 0`` puts it on a GPU)."""
+    import ray
+
+    device = "cuda" if num_gpus else kwargs.pop("device", "cpu")
+    actor = ray.remote(Learner).options(
+        num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources or {})
+    )
+    return actor.remote(model, config, device=device, **kwargs)

@@ -1,0 +1,207 @@
+"""The learner: loss aggregation over micro-batches, update direction, KL reference,
+off-policy corrections, non-finite gradients, schedules and checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from ray_credit.actors.generator import Generator, GeneratorConfig  # noqa: E402
+from ray_credit.actors.learner import Learner, LearnerConfig  # noqa: E402
+from ray_credit.losses import AGG_MODES, PolicyLossConfig, agg_loss  # noqa: E402
+from ray_credit.models import load_model  # noqa: E402
+from tests.unit.test_generator import QUESTIONS, WordRetriever  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Real rollouts of tiny-random with fixed, nonzero advantages per turn."""
+    config = GeneratorConfig(group_size=3, max_turns=2, max_new_tokens=10, seed=1)
+    rollouts = Generator(load_model("tiny-random"), WordRetriever(), config).generate(QUESTIONS)
+    advantages = np.random.default_rng(0).normal(size=rollouts.num_turns).astype(np.float32)
+    return rollouts.with_turn_columns({"turn_advantages": advantages})
+
+
+def _learner(config=None, **kwargs):
+    return Learner(load_model("tiny-random"), config or LearnerConfig(lr=1e-3), **kwargs)
+
+
+def _weights(learner):
+    return {k: v.clone() for k, v in learner.model.state_dict().items()}
+
+
+def _max_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _sequence_logprob(learner, batch, row):
+    record = batch.to_records()[row]
+    ids = torch.tensor(record["input_ids"])[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(learner.model(ids).logits[0, :-1].float(), -1)
+    picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return float((picked * torch.tensor(record["loss_mask"][1:])).sum())
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_token_weights_sum_to_each_aggregation_mode(mode):
+    loss = PolicyLossConfig(agg_mode=mode)
+    learner = _learner(LearnerConfig(lr=1e-3, loss=loss))
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(5, 9, generator=gen)
+    mask = (torch.rand(5, 9, generator=gen) > 0.4).float()
+    mask[2] = 0  # an empty row
+    weighted = (values * learner._token_weights(mask)).sum()
+    torch.testing.assert_close(weighted, agg_loss(values, mask, mode), rtol=1e-6, atol=1e-7)
+
+
+class GradRecorder(Learner):
+    """Keeps a copy of the accumulated gradients of each optimizer step."""
+
+    def _clip_and_step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
+        return super()._clip_and_step()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_give_the_same_gradient(batch, mode):
+    loss = PolicyLossConfig(agg_mode=mode)
+    config = LearnerConfig(lr=1e-3, loss=loss, micro_batch_tokens=10**6)
+    whole = GradRecorder(load_model("tiny-random"), config)
+    split = GradRecorder(
+        load_model("tiny-random"), LearnerConfig(**{**config.__dict__, "micro_batch_tokens": 1})
+    )
+    assert len(list(split._micro_batches(torch.full((6,), 30)))) == 6  # one row per pass
+    m_whole, m_split = whole.train(batch), split.train(batch)
+    for name, grad in whole.grads.items():
+        torch.testing.assert_close(split.grads[name], grad, rtol=1e-4, atol=1e-8)
+    assert m_whole["learner/loss"] == pytest.approx(m_split["learner/loss"], abs=1e-6)
+    assert m_whole["learner/grad_norm"] == pytest.approx(m_split["learner/grad_norm"], rel=1e-5)
+
+
+def test_update_follows_the_advantage_sign(batch):
+    """A positive advantage on every turn raises the sampled tokens' logprob; negative lowers it."""
+    for sign in (1.0, -1.0):
+        signed = batch.with_turn_columns(
+            {"turn_advantages": np.full(batch.num_turns, sign, np.float32)}
+        )
+        learner = _learner(LearnerConfig(lr=1e-2, max_grad_norm=None))
+        before = [_sequence_logprob(learner, signed, r) for r in range(len(signed))]
+        metrics = learner.train(signed)
+        after = [_sequence_logprob(learner, signed, r) for r in range(len(signed))]
+        moved = np.sign(np.array(after) - np.array(before))
+        assert (moved == sign).mean() >= 5 / 6, (sign, before, after)
+        assert metrics["learner/policy_version"] == 1 and learner.policy_version == 1
+        assert metrics["learner/optimizer_steps"] == 1
+        # On-policy: ratio 1 up to float rounding, nothing clipped on the first step.
+        assert metrics["learner/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert metrics["learner/clipfrac"] == 0.0
+
+
+def test_epochs_and_mini_batches_count_optimizer_steps(batch):
+    learner = _learner(LearnerConfig(lr=1e-3, epochs=2, mini_batches=3))
+    metrics = learner.train(batch)
+    assert metrics["learner/optimizer_steps"] == 6
+    assert learner.policy_version == 1  # one published update per batch
+    assert metrics["learner/clipfrac"] >= 0.0 and metrics["learner/approx_kl"] != 0.0
+
+
+def test_kl_reference_only_when_asked(batch):
+    assert _learner().reference is None  # kl_coef = 0: no reference model in memory
+    learner = _learner(LearnerConfig(lr=1e-2, kl_coef=0.5, epochs=2, mini_batches=2))
+    assert learner.reference is not None
+    reference = {k: v.clone() for k, v in learner.reference.state_dict().items()}
+    metrics = learner.train(batch)
+    assert metrics["learner/kl"] > 0.0  # the policy moved away within the update
+    assert _max_diff(reference, learner.reference.state_dict()) == 0.0  # frozen
+
+
+def test_off_policy_corrections(batch):
+    """On-policy data: every correction is the identity. Stale behavior logprobs: the
+    truncated/excluded tokens are counted."""
+    grads = {}
+    for mode in ("none", "tis", "decoupled"):
+        learner = GradRecorder(load_model("tiny-random"), LearnerConfig(lr=1e-3, off_policy=mode))
+        metrics = learner.train(batch)
+        grads[mode] = learner.grads
+        if mode != "none":
+            assert metrics["learner/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+            assert metrics["learner/is_limited_frac"] == 0.0
+    for mode in ("tis", "decoupled"):
+        for name, grad in grads["none"].items():
+            torch.testing.assert_close(grads[mode][name], grad, rtol=1e-3, atol=1e-7)
+
+    # Behavior logprobs 2 nats lower than the proximal policy's: weights e^2 > cap 2.
+    records = batch.to_records()
+    for r in records:
+        r["behavior_logprobs"] = [
+            lp - 2.0 * m for lp, m in zip(r["behavior_logprobs"], r["loss_mask"], strict=True)
+        ]
+    stale = type(batch).from_records(records)
+    for mode in ("tis", "decoupled"):
+        metrics = _learner(LearnerConfig(lr=1e-3, off_policy=mode)).train(stale)
+        assert metrics["learner/is_limited_frac"] == 1.0, mode
+        expected = 2.0 if mode == "tis" else 0.0
+        assert metrics["learner/is_weight_mean"] == pytest.approx(expected, abs=1e-5), mode
+
+
+def test_nonfinite_gradient_skips_the_step_and_is_counted(batch):
+    bad = batch.with_turn_columns({"turn_advantages": np.full(batch.num_turns, np.inf, np.float32)})
+    learner = _learner()
+    before = _weights(learner)
+    metrics = learner.train(bad)
+    assert metrics["learner/nonfinite_grad_steps"] == 1
+    assert metrics["learner/optimizer_steps"] == 0
+    assert _max_diff(before, _weights(learner)) == 0.0
+
+
+def test_lr_schedules():
+    config = LearnerConfig(lr=1.0, warmup_steps=3, lr_schedule="cosine", total_steps=13)
+    assert [config.lr_at(s) for s in range(3)] == pytest.approx([0.25, 0.5, 0.75])
+    assert config.lr_at(3) == pytest.approx(1.0)
+    assert config.lr_at(8) == pytest.approx(0.5)
+    assert config.lr_at(13) == pytest.approx(0.0, abs=1e-12)
+    linear = LearnerConfig(lr=2.0, lr_schedule="linear", total_steps=4, min_lr_ratio=0.5)
+    assert [linear.lr_at(s) for s in range(5)] == pytest.approx([2.0, 1.75, 1.5, 1.25, 1.0])
+    with pytest.raises(ValueError, match="total_steps"):
+        LearnerConfig(lr_schedule="cosine")
+    with pytest.raises(ValueError, match="off_policy must be one of"):
+        LearnerConfig(off_policy="ppo")
+    with pytest.raises(ValueError, match="is_cap must be > 1"):
+        LearnerConfig(is_cap=0.5)
+
+
+def test_checkpoint_resumes_the_same_trajectory_of_updates(batch, tmp_path):
+    config = LearnerConfig(lr=1e-3, warmup_steps=2, mini_batches=2, kl_coef=0.1)
+    learner = _learner(config)
+    learner.train(batch)
+    learner.save(tmp_path / "ckpt")
+    learner.train(batch)
+
+    resumed = Learner(str(tmp_path / "ckpt" / "model"), config)
+    resumed.load_state(tmp_path / "ckpt")
+    assert resumed.policy_version == 1 and resumed.optimizer_steps == 2
+    resumed.train(batch)
+    assert _max_diff(_weights(learner), _weights(resumed)) < 1e-6
+    assert resumed.scheduler.get_last_lr() == learner.scheduler.get_last_lr()
+
+    with pytest.raises(ValueError, match="different learner config"):
+        Learner(str(tmp_path / "ckpt" / "model"), LearnerConfig(lr=1e-3)).load_state(
+            tmp_path / "ckpt"
+        )
+    (tmp_path / "ckpt" / "learner_state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable learner checkpoint"):
+        resumed.load_state(tmp_path / "ckpt")
+    with pytest.raises(FileNotFoundError, match="not a learner checkpoint folder"):
+        resumed.load_state(tmp_path)
+
+
+def test_missing_advantages_is_a_clear_error(batch):
+    plain = type(batch).from_records(
+        [{k: v for k, v in r.items() if k != "turn_advantages"} for r in batch.to_records()]
+    )
+    with pytest.raises(Exception, match="turn_advantages"):
+        _learner().train(plain)
