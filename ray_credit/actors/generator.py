@@ -162,6 +162,9 @@ class Generator:
         backend: ``"transformers"`` or ``"vllm"``.
         device, dtype: where and how the transformers backend holds the model.
         max_batch_size: rows per forward pass of the transformers backend.
+        kv_reuse_gb: memory the transformers backend may keep between turns for keys and
+            values it can reuse (see :class:`~ray_credit.actors.sampling.TransformersSampler`);
+            0 re-encodes every context every turn.
         name: prefix of the group ids this generator writes (default: a random id), so
             that batches from several generators or calls never share a group id.
         retrieval_timeout_s: how long one retrieval call through a Ray actor may take.
@@ -177,6 +180,7 @@ class Generator:
         device: str = "cpu",
         dtype: str = "float32",
         max_batch_size: int = 64,
+        kv_reuse_gb: float = 2.0,
         name: str | None = None,
         retrieval_timeout_s: float = 120.0,
         **vllm_kwargs: Any,
@@ -193,6 +197,7 @@ class Generator:
             device=device,
             dtype=dtype,
             max_batch_size=max_batch_size,
+            kv_reuse_gb=kv_reuse_gb,
             seed=self.config.seed,
             **vllm_kwargs,
         )
@@ -256,6 +261,7 @@ class Generator:
             0.0,
         )
         rollouts = self._start(questions, size, call)
+        stats_before = _sampler_stats(self.sampler)
         stop, wrap, feedback = _STYLES[cfg.action_style]
         for turn in range(cfg.max_turns):
             live = [r for r in rollouts if not r.done]
@@ -297,6 +303,8 @@ class Generator:
                     self._observe(r, turn, feedback, wrap, None, counts)
             if pending:
                 self._run_searches(pending, turn, wrap, counts)
+        for key, value in _sampler_stats(self.sampler).items():
+            counts[key] = value - stats_before.get(key, 0)
         return self._to_batch(rollouts, counts, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ steps
@@ -490,8 +498,16 @@ def _search_function(retriever: Any, timeout_s: float):
     return retriever.search
 
 
+def _sampler_stats(sampler: Sampler) -> dict[str, float]:
+    """The sampler's cumulative counters (encoded and reused prompt tokens), if any."""
+    stats = getattr(sampler, "stats", None)
+    if stats is None:
+        return {}
+    return {k: float(v) for k, v in stats().items() if k != "kv_reuse_unsupported"}
+
+
 def _make_sampler(
-    model, backend: str, *, device, dtype, max_batch_size, seed, **vllm_kwargs
+    model, backend: str, *, device, dtype, max_batch_size, kv_reuse_gb, seed, **vllm_kwargs
 ) -> Sampler:
     if backend == "transformers":
         from ray_credit.actors.sampling import TransformersSampler
@@ -502,7 +518,7 @@ def _make_sampler(
                 f"unexpected arguments for the transformers backend: {sorted(vllm_kwargs)}"
             )
         pair = model if isinstance(model, tuple) else load_model(model, dtype=dtype, device=device)
-        return TransformersSampler(*pair, max_batch_size=max_batch_size)
+        return TransformersSampler(*pair, max_batch_size=max_batch_size, kv_reuse_gb=kv_reuse_gb)
     if backend == "vllm":
         from ray_credit.actors.sampling import VLLMSampler
 

@@ -17,6 +17,11 @@ learner recomputes from the same logits, so the importance ratio compares like w
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -84,38 +89,99 @@ class TransformersSampler:
     Contexts are left-padded into micro-batches of at most ``max_batch_size`` rows; each
     decode step feeds one token per live row through the KV cache, and rows that stop are
     dropped from the batch and the cache (``DynamicCache.batch_select_indices``).
+
+    **KV reuse.** A multi-turn rollout calls :meth:`sample` once per turn with contexts
+    that extend the previous turn's (context + sampled turn + observation), and the G
+    contexts of a group start out identical. Re-encoding all of it every turn makes the
+    prompt pass dominate on a CPU. With ``kv_reuse_gb > 0`` the sampler therefore
+
+    * encodes identical contexts of a call once and copies the result to every copy;
+    * encodes the longest prefix shared by all contexts of a call (a few-shot preamble)
+      once, and keeps it across calls while calls keep using it;
+    * keeps, for every row that finishes a turn, the keys and values of everything it has
+      fed (context + all sampled tokens but the last), so that the next call encodes only
+      what was appended since: the last sampled token and the observation.
+
+    Stored entries live until the next call (per-row entries are used once), take at most
+    ``kv_reuse_gb`` of memory (what does not fit is not stored, and counted) and are
+    dropped whenever weights are loaded, so a new policy never reads an old policy's
+    keys. Reuse is exact up to float rounding (the same positions, the same attention
+    mask); it applies to models whose cache is full attention in every layer and is off
+    (counted in ``stats()['kv_reuse_unsupported']``) otherwise. :meth:`stats` counts
+    encoded and reused tokens.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_batch_size: int = 64):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch_size: int = 64,
+        kv_reuse_gb: float = 2.0,
+        min_shared_prefix: int = 16,
+    ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if kv_reuse_gb < 0:
+            raise ValueError(f"kv_reuse_gb must be >= 0 (0 turns reuse off), got {kv_reuse_gb}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.eos_token_id = int(tokenizer.eos_token_id)
         self.pad_token_id = int(tokenizer.pad_token_id)
+        self.min_shared_prefix = min_shared_prefix
         # Tokens whose text holds the last character of a stop string: only after one of
         # them can a stop string have completed, so only then is the tail decoded.
         self._stop_cache: dict[tuple[str, ...], tuple[set[int], int]] = {}
+        self._stats = dict.fromkeys(
+            ("prefill_tokens", "reused_tokens", "kv_not_stored", "kv_reuse_unsupported"), 0
+        )
+        reuse = kv_reuse_gb > 0 and _full_attention_cache(model)
+        if kv_reuse_gb > 0 and not reuse:
+            self._stats["kv_reuse_unsupported"] = 1
+            logging.getLogger(__name__).warning(
+                "%s has cache layers other than full attention: KV reuse between turns is "
+                "off, every turn re-encodes its whole context",
+                type(model).__name__,
+            )
+        self._store = _KVStore(int(kv_reuse_gb * 2**30)) if reuse else None
+        self._lock = threading.Lock()
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def load_weights(self, weights: Mapping[str, Any]) -> None:
-        load_weights_checked(self.model, weights)
+        with self._lock:
+            load_weights_checked(self.model, weights)
+            if self._store is not None:
+                self._store.clear()  # keys and values of the old policy are stale now
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters: tokens encoded by the prompt pass (``prefill_tokens``),
+        tokens whose keys and values were reused instead (``reused_tokens``), finished rows
+        whose cache did not fit ``kv_reuse_gb`` (``kv_not_stored``), and 1 in
+        ``kv_reuse_unsupported`` when the model's cache type rules reuse out."""
+        return dict(self._stats)
 
     def sample(
         self, contexts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int
     ) -> list[SampledTurn]:
         import torch
 
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        out: list[SampledTurn] = []
-        for start in range(0, len(contexts), self.max_batch_size):
-            chunk = contexts[start : start + self.max_batch_size]
-            out.extend(self._sample_chunk(chunk, params, generator))
-        return out
+        with self._lock:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            out: list[SampledTurn] = []
+            if self._store is not None:
+                self._store.begin_call()
+            try:
+                for start in range(0, len(contexts), self.max_batch_size):
+                    chunk = contexts[start : start + self.max_batch_size]
+                    out.extend(self._sample_chunk(chunk, params, generator))
+            finally:
+                if self._store is not None:
+                    self._store.end_call()
+            return out
 
     def _stop_tokens(self, stop: tuple[str, ...]) -> tuple[set[int], int]:
         if stop not in self._stop_cache:
@@ -129,33 +195,16 @@ class TransformersSampler:
 
     def _sample_chunk(self, contexts, params: SamplingParams, generator) -> list[SampledTurn]:
         import torch
-        from transformers import DynamicCache
 
         device = self.device
-        rows, width = len(contexts), max(len(c) for c in contexts)
-        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((rows, width), dtype=torch.long)
-        for i, ctx in enumerate(contexts):  # left padding: every row ends at the last column
-            input_ids[i, width - len(ctx) :] = torch.as_tensor(ctx, dtype=torch.long)
-            attention[i, width - len(ctx) :] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        rows = len(contexts)
         stop_ids, stop_chars = self._stop_tokens(params.stop)
-
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logprobs: list[list[float]] = [[] for _ in range(rows)]
         hit_limit = [False] * rows
         live = list(range(rows))  # original row of each batch row
-        cache = DynamicCache()
         with torch.inference_mode():
-            logits = self.model(
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1, :]
+            cache, attention, positions, logits = self._prefill(contexts)
             for step in range(params.max_new_tokens):
                 chosen, chosen_logprob = _pick(logits.float(), params, generator)
                 keep = []
@@ -163,16 +212,18 @@ class TransformersSampler:
                     token = int(chosen[b])
                     tokens[row].append(token)
                     logprobs[row].append(float(chosen_logprob[b]))
-                    if token == self.eos_token_id:
+                    stopped = token == self.eos_token_id or (
+                        token in stop_ids
+                        and self._ends_with_stop(tokens[row], params.stop, stop_chars)
+                    )
+                    if not stopped and step == params.max_new_tokens - 1:
+                        hit_limit[row] = stopped = True
+                    if not stopped:
+                        keep.append(b)
                         continue
-                    if token in stop_ids and self._ends_with_stop(
-                        tokens[row], params.stop, stop_chars
-                    ):
-                        continue
-                    if step == params.max_new_tokens - 1:
-                        hit_limit[row] = True
-                        continue
-                    keep.append(b)
+                    # The row is done: the cache holds its context and all sampled tokens
+                    # but the last (not fed yet); keep them for the next turn.
+                    self._keep(cache, attention, b, list(contexts[row]) + tokens[row][:-1])
                 if not keep:
                     break
                 if len(keep) < len(live):
@@ -191,10 +242,267 @@ class TransformersSampler:
                 ).logits[:, -1, :]
         return [SampledTurn(tokens[r], logprobs[r], hit_limit[r]) for r in range(rows)]
 
+    def _prefill(self, contexts):
+        """Encode the contexts, reusing stored keys and values; return the cache, the
+        attention mask and positions over it, and the logits of each row's last token.
+
+        Row u of the batch is laid out as [pad | reused prefix (L_u) | pad | new tokens],
+        the reused block ending at column C (the longest reuse) and the new tokens at the
+        last column; positions count only unmasked columns, so every token sits at the
+        position it has in its own context.
+        """
+        import torch
+
+        device, store = self.device, self._store
+        unique: dict[tuple[int, ...], int] = {}
+        inverse = [unique.setdefault(tuple(c), len(unique)) for c in contexts]
+        keys = list(unique)
+        matches: list[tuple[int, Any, tuple] | None] = [None] * len(keys)
+        if store is not None:
+            self._share_prefix(keys)
+            matches = [store.match(k, limit=len(k) - 1) for k in keys]
+        lengths = [0 if m is None else m[0] for m in matches]
+        width_cached = max(lengths)
+        width_new = max(len(k) - n for k, n in zip(keys, lengths, strict=True))
+        input_ids = torch.full((len(keys), width_new), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(keys), width_cached + width_new), dtype=torch.long)
+        for u, (key, n) in enumerate(zip(keys, lengths, strict=True)):
+            fresh = len(key) - n
+            input_ids[u, width_new - fresh :] = torch.as_tensor(key[n:], dtype=torch.long)
+            attention[u, width_cached - n : width_cached] = 1
+            attention[u, attention.shape[1] - fresh :] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, width_cached:]
+        cache = _new_cache()
+        if width_cached:
+            _fill_cache(cache, matches, lengths, width_cached)
+            store.release([m for m in matches if m is not None])
+        self._stats["reused_tokens"] += sum(lengths[u] for u in inverse)
+        self._stats["prefill_tokens"] += sum(len(k) - n for k, n in zip(keys, lengths, strict=True))
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        if len(keys) < len(contexts):  # identical contexts: encoded once, copied here
+            index = torch.as_tensor(inverse, device=device)
+            cache.batch_select_indices(index)
+            attention, positions, logits = attention[index], positions[index], logits[index]
+        return cache, attention, positions, logits
+
+    def _share_prefix(self, keys: list[tuple[int, ...]]) -> None:
+        """Encode the prefix all ``keys`` share once, when it beats what is stored."""
+        import torch
+
+        if len(keys) < 2:
+            return
+        shared = min(_common_prefix(keys), min(len(k) for k in keys) - 1)
+        if shared < self.min_shared_prefix:
+            return
+        prefix = keys[0][:shared]
+        found = self._store.match(prefix, limit=shared)
+        if found is not None and found[0] == shared:
+            return
+        behind = [self._store.match(k, limit=len(k) - 1) for k in keys]
+        if sum(1 for m in behind if m is None or m[0] < shared) < 2:
+            return  # at most one context would gain: not worth a pass of its own
+        cache = _new_cache()
+        ids = torch.as_tensor([prefix], dtype=torch.long, device=self.device)
+        self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self._stats["prefill_tokens"] += shared
+        attention = torch.ones((1, shared), dtype=torch.long, device=self.device)
+        if not self._store.add(prefix, _row_kv(cache, attention, 0), shared=True):
+            self._stats["kv_not_stored"] += 1
+
+    def _keep(self, cache, attention, b: int, ids: list[int]) -> None:
+        if self._store is None:
+            return
+        kv = _row_kv(cache, attention, b)
+        if kv.shape[3] != len(ids):  # a bookkeeping bug, never a silent wrong reuse
+            raise RuntimeError(f"cache holds {kv.shape[3]} tokens for a {len(ids)}-token row")
+        if not self._store.add(tuple(ids), kv, shared=False):
+            self._stats["kv_not_stored"] += 1
+
     def _ends_with_stop(self, ids: list[int], stop: tuple[str, ...], chars: int) -> bool:
         # A stop string of n characters spans at most n tokens: decode only that tail.
         tail = self.tokenizer.decode(ids[-chars:], skip_special_tokens=False)
         return any(s in tail for s in stop)
+
+
+class _KVStore:
+    """Keys and values of token prefixes, kept from one ``sample`` call to the next.
+
+    An entry is a tensor ``[layers, 2, kv_heads, tokens, head_dim]`` under its token ids.
+    Per-row entries serve one call (the next turn of that row) and are then dropped;
+    shared entries (a common preamble) stay while calls keep matching them.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: dict[int, dict[tuple[int, ...], tuple[Any, bool]]] = {}
+        self._next: dict[int, dict[tuple[int, ...], tuple[Any, bool]]] = {}
+        self._bytes = 0
+
+    def clear(self) -> None:
+        self._entries, self._next, self._bytes = {}, {}, 0
+
+    def begin_call(self) -> None:
+        self._next = {}
+
+    def end_call(self) -> None:
+        # what this call stored, plus the shared entries it used; the rest is dropped
+        self._entries, self._next = self._next, {}
+        self._bytes = sum(
+            kv.nbytes for by_ids in self._entries.values() for kv, _ in by_ids.values()
+        )
+
+    def match(self, ids: tuple[int, ...], *, limit: int) -> tuple[int, Any, tuple] | None:
+        """The longest stored prefix of ``ids``, cut to ``limit`` tokens: (tokens used,
+        their keys and values, the entry's ids); None when nothing matches."""
+        for length in sorted(set(self._entries) | set(self._next), reverse=True):
+            if length > len(ids):
+                continue
+            key = ids[:length]
+            found = self._entries.get(length, {}).get(key) or self._next.get(length, {}).get(key)
+            if found is not None:
+                kv, shared = found
+                if shared:  # in use this call: carry it over to the next
+                    self._next.setdefault(length, {})[key] = found
+                used = min(length, limit)
+                return (used, kv[:, :, :, :used], key) if used > 0 else None
+        return None
+
+    def release(self, used) -> None:
+        """Drop the per-row entries a call has just read (each serves once)."""
+        for _used, _kv, key in used:
+            entry = self._entries.get(len(key), {}).get(key)
+            if entry is not None and not entry[1]:
+                del self._entries[len(key)][key]
+                self._bytes -= entry[0].nbytes
+
+    def add(self, ids: tuple[int, ...], kv, *, shared: bool) -> bool:
+        if self._bytes + kv.nbytes > self.max_bytes:
+            return False
+        self._next.setdefault(len(ids), {})[ids] = (kv, shared)
+        self._bytes += kv.nbytes
+        return True
+
+
+def _full_attention_cache(model: Any) -> bool:
+    """True when every layer of the model's cache is a plain full-attention layer, the
+    only kind whose keys and values can be cut per row and reassembled (no sliding
+    windows, no recurrent or linear-attention states)."""
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        layers = DynamicCache(config=model.config).layers
+    except (ImportError, TypeError, AttributeError, ValueError):
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+@functools.cache
+def _growing_cache_class() -> type | None:
+    """A ``DynamicCache`` whose layers append into buffers with spare room.
+
+    ``DynamicLayer`` concatenates the whole cache with every decoded token, a copy that
+    grows with the context; these layers write the new token into a buffer with spare
+    room and hand out a view (1.5x faster decode steps at batch 40 and 500 cached tokens
+    with SmolLM2 on 2 cores). None on transformers versions without per-layer caches.
+    """
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import Cache, DynamicLayer
+    except ImportError:
+        return None
+    if "layer_class_to_replicate" not in inspect.signature(Cache.__init__).parameters:
+        return None
+
+    class GrowingLayer(DynamicLayer):
+        def lazy_initialization(self, key_states, value_states) -> None:
+            super().lazy_initialization(key_states, value_states)
+            self._key_buffer = self._value_buffer = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            have = self.get_seq_length()
+            need = have + key_states.shape[-2]
+            if self._key_buffer is None or need > self._key_buffer.shape[-2]:
+                room = max(need + 64, need * 3 // 2)
+                shape = (*key_states.shape[:2], room, key_states.shape[-1])
+                keys, values = key_states.new_empty(shape), value_states.new_empty(shape)
+                if have:
+                    keys[:, :, :have], values[:, :, :have] = self.keys, self.values
+                self._key_buffer, self._value_buffer = keys, values
+            self._key_buffer[:, :, have:need] = key_states
+            self._value_buffer[:, :, have:need] = value_states
+            self.keys = self._key_buffer[:, :, :need]
+            self.values = self._value_buffer[:, :, :need]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices) -> None:
+            have = self.get_seq_length()
+            if have > 0:
+                self._key_buffer = self._key_buffer[indices]
+                self._value_buffer = self._value_buffer[indices]
+                self.keys = self._key_buffer[:, :, :have]
+                self.values = self._value_buffer[:, :, :have]
+
+    class GrowingCache(DynamicCache):
+        def __init__(self) -> None:
+            Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+    return GrowingCache
+
+
+def _new_cache() -> Any:
+    cls = _growing_cache_class()
+    if cls is None:
+        from transformers import DynamicCache
+
+        return DynamicCache()
+    return cls()
+
+
+def _row_kv(cache: Any, attention: torch.Tensor, b: int) -> torch.Tensor:
+    """Row ``b``'s keys and values at its unmasked columns: [layers, 2, heads, n, dim]."""
+    import torch
+
+    if attention.shape[1] != cache.layers[0].keys.shape[2]:
+        raise RuntimeError(
+            f"attention mask covers {attention.shape[1]} columns, the cache "
+            f"{cache.layers[0].keys.shape[2]}"
+        )
+    cols = attention[b].nonzero()[:, 0]
+    return torch.stack(
+        [
+            torch.stack(
+                (layer.keys[b].index_select(1, cols), layer.values[b].index_select(1, cols))
+            )
+            for layer in cache.layers
+        ]
+    )
+
+
+def _fill_cache(cache: Any, matches, lengths: list[int], width: int) -> None:
+    """Put each row's reused keys and values right-aligned in the first ``width`` columns."""
+    first = next(m[1] for m in matches if m is not None)
+    n_layers, _, heads, _, dim = first.shape
+    block = first.new_zeros((n_layers, 2, len(matches), heads, width, dim))
+    for u, (match, n) in enumerate(zip(matches, lengths, strict=True)):
+        if n:
+            block[:, :, u, :, width - n :] = match[1]
+    for layer in range(n_layers):
+        cache.update(block[layer, 0], block[layer, 1], layer)
+
+
+def _common_prefix(keys: list[tuple[int, ...]]) -> int:
+    return len(os.path.commonprefix(keys))
 
 
 def _pick(
@@ -219,7 +527,14 @@ def _pick(
         drop = mass - torch.softmax(ordered, dim=-1) > params.top_p  # keep the token crossing p
         ordered = ordered.masked_fill(drop, float("-inf"))
         filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, ordered)
-    chosen = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator)[:, 0]
+    # Inverse-CDF draw over a float64 cumulative sum (rounding error ~1e-12 over a 49k
+    # vocabulary): 5x cheaper than torch.multinomial at batch 40 on a CPU. A zero-mass token
+    # repeats its predecessor's cdf, so the first cdf > u is always a token with mass.
+    cdf = torch.softmax(filtered, dim=-1).double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    last = (cdf < total).sum(dim=-1)  # the last token with mass: the first cdf == total
+    chosen = torch.minimum(torch.searchsorted(cdf, u, right=True)[:, 0], last)
     return chosen, logp.gather(-1, chosen[:, None])[:, 0]
 
 
