@@ -100,6 +100,11 @@ class GeneratorConfig:
     """Text put after the chat template's generation prompt, as part of the prompt (not
     trained on). IGPO uses "<think>"; "<search>" makes a small model's first action a
     search. Turn 0 is parsed as prefix + its sampled text; its ``text`` is the sample only."""
+    final_turn_prefix: str = ""
+    """Text fed (masked, like an observation) before the last allowed turn is sampled, and
+    parsed with it: "<answer>" makes every trajectory that reaches ``max_turns`` end with
+    an answer instead of running out of turns. Not in Search-R1's protocol (there, such a
+    trajectory just has no answer); useful for small policies. Empty: off."""
     reward: str = "em"
     """Outcome reward of the extracted answer: 'em', 'subem' or 'f1'."""
     seed: int = 0
@@ -203,6 +208,9 @@ class Generator:
         )
         self.tokenizer = self.sampler.tokenizer
         self.template = load_prompt_template(self.config.prompt_template)
+        self._final_prefix_ids = list(
+            self.tokenizer(self.config.final_turn_prefix, add_special_tokens=False)["input_ids"]
+        )
         self._search = _search_function(retriever, retrieval_timeout_s)
         self.name = name or uuid.uuid4().hex[:8]
         self.policy_version = 0
@@ -265,6 +273,9 @@ class Generator:
         stop, wrap, feedback = _STYLES[cfg.action_style]
         for turn in range(cfg.max_turns):
             live = [r for r in rollouts if not r.done]
+            if turn == cfg.max_turns - 1 and cfg.final_turn_prefix:
+                for r in live:
+                    self._feed(r, turn - 1, self._final_prefix_ids)
             budget = [cfg.max_context_tokens - len(r.input_ids) for r in live]
             for r, room in zip(live, budget, strict=True):
                 if room < 1:  # not even one token fits: the trajectory ends here
@@ -343,6 +354,8 @@ class Generator:
     def _record_turn(self, r: _Rollout, turn: int, sample: SampledTurn):
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         prefix = self.config.response_prefix if turn == 0 else ""
+        if turn == self.config.max_turns - 1:
+            prefix += self.config.final_turn_prefix
         action = parse_action(
             prefix + text, style=self.config.action_style, hit_token_limit=sample.hit_limit
         )
@@ -362,6 +375,14 @@ class Generator:
         r.doc_ids.append(None)
         return action
 
+    @staticmethod
+    def _feed(r: _Rollout, turn: int, ids: list[int]) -> None:
+        """Append environment tokens (masked, no logprob) after ``turn`` (-1: the prompt)."""
+        r.input_ids += ids
+        r.loss_mask += [0] * len(ids)
+        r.token_turn += [turn] * len(ids)
+        r.logprobs += [0.0] * len(ids)
+
     def _observe(self, r: _Rollout, turn: int, body: str, wrap, doc_ids, counts) -> None:
         ids = self.tokenizer(wrap[0] + body + wrap[1], add_special_tokens=False)["input_ids"]
         limit = self.config.max_observation_tokens
@@ -374,10 +395,7 @@ class Generator:
             counts["context_limit_hits"] += 1
             r.done = True
         counts["observation_tokens"] += len(ids)
-        r.input_ids += ids
-        r.loss_mask += [0] * len(ids)
-        r.token_turn += [turn] * len(ids)
-        r.logprobs += [0.0] * len(ids)
+        self._feed(r, turn, ids)
         # The observation the policy saw, exactly: the decode of the ids fed.
         r.turns[-1]["observation"] = self.tokenizer.decode(ids, skip_special_tokens=False)
         r.doc_ids[-1] = doc_ids

@@ -99,10 +99,19 @@ class LearnerConfig:
     """``"none"``, ``"tis"`` or ``"decoupled"`` (module docstring)."""
     is_cap: float = 2.0
     """Importance-weight cap of ``"tis"`` (truncation) and ``"decoupled"`` (exclusion)."""
+    temperature: float = 1.0
+    """The generator's sampling temperature: logits are divided by it before every
+    log-prob, ratio, KL and entropy, so that on-policy ratios are 1 (the generator's
+    behavior logprobs are of the tempered distribution). Greedy generation: 1."""
     seed: int = 0
     """Seed of the mini-batch shuffling."""
 
     def __post_init__(self) -> None:
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"temperature must be a positive finite number (the generator's; greedy: 1), "
+                f"got {self.temperature}"
+            )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -416,7 +425,9 @@ class Learner:
     def _logits(self, model, data: dict, index, width: int):
         ids = data["input_ids"][index, :width].to(self.device)
         attention = data["attention_mask"][index, :width].to(self.device)
-        return model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        t = self.config.temperature
+        return logits if t == 1.0 else logits / t
 
     def _logprobs_no_grad(self, model, data: dict, lengths, rows: np.ndarray):
         """Per-token logprobs of ``model`` on ``rows`` (targets-aligned, CPU; 0 elsewhere)."""

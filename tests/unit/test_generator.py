@@ -219,6 +219,41 @@ def test_response_prefix_is_prompt_and_parsed_with_turn_zero(tiny):
     assert tiny[1].decode(prompt).endswith("<search>")
 
 
+def test_final_turn_prefix_is_fed_masked_and_parsed_with_the_last_turn(tiny):
+    gen = scripted_generator(
+        tiny,
+        [["<search> Velmora founder </search>"], [" Ada Quill </answer>"]],
+        max_turns=2,
+        final_turn_prefix="<answer>",
+    )
+    batch = gen.generate(QUESTIONS[:1])
+    (row,) = batch.to_records()
+    assert [t["action"] for t in row["turns"]] == ["search", "answer"]
+    assert row["answer"] == "Ada Quill" and row["outcome_reward"] == 1.0
+    assert row["turns"][1]["text"] == " Ada Quill </answer>"
+    # the last context ends with the observation and then the prefix, fed, not sampled
+    last = gen.sampler.contexts[1][0]
+    assert tiny[1].decode(last).endswith("</information>\n\n<answer>")
+    prefix = len(tiny[1]("<answer>", add_special_tokens=False)["input_ids"])
+    fed = slice(len(last) - prefix, len(last))
+    assert row["loss_mask"][fed] == [0] * prefix
+    assert row["token_turn"][fed] == [0] * prefix  # environment tokens after turn 0
+    assert row["loss_mask"][len(last) :] == [1] * (len(row["input_ids"]) - len(last))
+
+
+def test_final_turn_prefix_only_on_the_last_allowed_turn(tiny):
+    gen = scripted_generator(
+        tiny,
+        [["<search> Velmora founder </search>"], ["<answer> Ada Quill </answer>"]],
+        max_turns=3,
+        final_turn_prefix="<answer>",
+    )
+    (row,) = gen.generate(QUESTIONS[:1]).to_records()
+    assert row["answer"] == "Ada Quill"  # answered on turn 1: the prefix was never fed
+    assert "<answer><answer>" not in tiny[1].decode(row["input_ids"])
+    assert not tiny[1].decode(gen.sampler.contexts[1][0]).endswith("<answer>")
+
+
 def test_real_tiny_model_logprobs_match_teacher_forcing(tiny):
     model, _ = tiny
     gen = Generator(

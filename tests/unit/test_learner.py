@@ -199,6 +199,23 @@ def test_checkpoint_resumes_the_same_trajectory_of_updates(batch, tmp_path):
         resumed.load_state(tmp_path)
 
 
+def test_temperature_matches_the_generators_behavior_logprobs():
+    """Rollouts at T=0.7: the first on-policy ratio is 1 only when the learner divides the
+    logits by the same temperature."""
+    config = GeneratorConfig(group_size=3, max_turns=2, max_new_tokens=10, temperature=0.7)
+    rollouts = Generator(load_model("tiny-random"), WordRetriever(), config).generate(QUESTIONS)
+    rollouts = rollouts.with_turn_columns(
+        {"turn_advantages": np.ones(rollouts.num_turns, dtype=np.float32)}
+    )
+    matched = _learner(LearnerConfig(lr=1e-3, temperature=0.7)).train(rollouts)
+    assert abs(matched["learner/ratio_mean"] - 1.0) < 1e-5
+    assert matched["learner/ratio_max"] < 1 + 1e-4
+    mismatched = _learner(LearnerConfig(lr=1e-3)).train(rollouts)
+    assert mismatched["learner/ratio_max"] > 1.05  # tiny-random's logits are near-flat
+    with pytest.raises(ValueError, match="temperature must be a positive"):
+        LearnerConfig(temperature=0)
+
+
 def test_missing_advantages_is_a_clear_error(batch):
     plain = type(batch).from_records(
         [{k: v for k, v in r.items() if k != "turn_advantages"} for r in batch.to_records()]
