@@ -1,0 +1,13 @@
+"""The training loop: weight publication, the asynchronous runner, stages."""
+
+from ray_credit.pipeline.runner import Pipeline, PipelineConfig, actor_stage, estimator_stage
+from ray_credit.pipeline.weights import WeightPublisher, WeightSyncError
+
+__all__ = [
+    "Pipeline",
+    "PipelineConfig",
+    "WeightPublisher",
+    "WeightSyncError",
+    "actor_stage",
+    "estimator_stage",
+]
