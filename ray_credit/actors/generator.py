@@ -68,6 +68,20 @@ _STYLES = {
 }
 
 
+COUNTERS = (
+    "invalid_actions",
+    "truncated_turns",
+    "truncated_observations",
+    "turn_limit_hits",
+    "context_limit_hits",
+    "searches",
+    "retrieval_seconds",
+    "generated_tokens",
+    "observation_tokens",
+)
+"""The additive ``gen/*`` counters of one ``generate`` call (summed across calls)."""
+
+
 @dataclass(frozen=True)
 class GeneratorConfig:
     """How rollouts are generated (defaults: Search-R1's protocol at a CPU-friendly size)."""
@@ -254,20 +268,7 @@ class Generator:
         start, seed = time.perf_counter(), cfg.seed + self._calls
         call = f"{self.name}.{self._calls}"
         self._calls += 1
-        counts = dict.fromkeys(
-            (
-                "invalid_actions",
-                "truncated_turns",
-                "truncated_observations",
-                "turn_limit_hits",
-                "context_limit_hits",
-                "searches",
-                "retrieval_seconds",
-                "generated_tokens",
-                "observation_tokens",
-            ),
-            0.0,
-        )
+        counts = dict.fromkeys(COUNTERS, 0.0)
         rollouts = self._start(questions, size, call)
         stats_before = _sampler_stats(self.sampler)
         stop, wrap, feedback = _STYLES[cfg.action_style]

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_credit.actors.generator import COUNTERS
 from ray_credit.batch import TrajectoryBatch
 
 __all__ = ["Pipeline", "PipelineConfig", "actor_stage", "estimator_stage"]
@@ -414,22 +415,9 @@ class Pipeline:
 
 # --------------------------------------------------------------------- metrics
 _ADDITIVE_GEN = (
-    "invalid_actions",
-    "truncated_turns",
-    "truncated_observations",
-    "turn_limit_hits",
-    "context_limit_hits",
-    "searches",
-    "retrieval_seconds",
-    "generated_tokens",
-    "observation_tokens",
-    "prefill_tokens",
-    "reused_tokens",
-    "kv_not_stored",
-    "trajectories",
-    "turns",
-    "answered",
-    "seconds",
+    *COUNTERS,
+    *("prefill_tokens", "reused_tokens", "kv_not_stored"),  # the sampler's, when it has them
+    *("trajectories", "turns", "answered", "seconds"),
 )
 
 
