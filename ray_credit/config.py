@@ -1,0 +1,229 @@
+"""Typed configs from dataclasses: ``--help`` from field docstrings, overrides from a YAML
+file and from the command line.
+
+A pipeline's config is a tree of frozen dataclasses. :func:`parse_config` builds an
+argparse parser with one ``--section.field`` option per leaf (help text = the field's
+docstring, default shown), reads ``--config FILE.yaml`` (a nested mapping of the same
+shape) and applies, in order: the dataclass defaults, the YAML file, the command line.
+An unknown key in the file or a value of the wrong type is an error that names it. A
+config class may define ``check()`` for rules across sections; it runs once, at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["config_to_dict", "field_docs", "parse_config", "replace_path"]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass (its documentation)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(inspect.getsource(klass).lstrip())
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body else []
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A config tree as plain nested dicts (for JSON summaries and loggers)."""
+    return dataclasses.asdict(config)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _leaves(cls: type, prefix: str = ""):
+    """(dotted name, type, default, doc) of every leaf field of a dataclass tree."""
+    hints, docs = _hints(cls), field_docs(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(kind):
+            yield from _leaves(kind, name + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            yield name, kind, default, docs.get(f.name, "")
+
+
+def _convert(value: Any, kind: Any, name: str) -> Any:
+    """Check / convert one value (from YAML or the command line) to a field's type."""
+    origin = typing.get_origin(kind)
+    args = typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, name)
+            except (TypeError, ValueError) as err:
+                errors.append(str(err))
+        raise ValueError(f"{name}: {value!r} is not a {kind} ({'; '.join(errors)})")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        items = value
+        if isinstance(value, str):
+            items = [v for v in value.replace(",", " ").split() if v]
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"{name} takes a list, got {value!r}")
+        inner = (
+            args[0]
+            if args and args[-1] is not Ellipsis and len(set(args)) == 1
+            else (args[0] if args else str)
+        )
+        out = [_convert(v, inner, name) for v in items]
+        return tuple(out) if origin is tuple else out
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{name} takes true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"{name} takes an integer, got {value!r}")
+        return int(value)
+    if kind is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{name} takes a number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, (str, int, float)):
+            raise ValueError(f"{name} takes a string, got {value!r}")
+        return str(value)
+    if kind is Any:
+        return value
+    raise TypeError(f"{name}: unsupported field type {kind}")
+
+
+def replace_path(config: Any, dotted: str, value: Any) -> Any:
+    """A copy of a config tree with one leaf (``"learner.lr"``) replaced, type-checked."""
+    head, _, rest = dotted.partition(".")
+    names = {f.name for f in dataclasses.fields(config)}
+    if head not in names:
+        raise ValueError(
+            f"unknown config key {dotted!r} in {type(config).__name__}; valid: {sorted(names)}"
+        )
+    current = getattr(config, head)
+    if rest:
+        if not dataclasses.is_dataclass(current):
+            raise ValueError(f"{head} is a value, not a section: {dotted!r} goes too deep")
+        return dataclasses.replace(config, **{head: replace_path(current, rest, value)})
+    if dataclasses.is_dataclass(current) and isinstance(value, dict):
+        for key, sub in value.items():
+            current = replace_path(current, key, sub)
+        return dataclasses.replace(config, **{head: current})
+    return dataclasses.replace(
+        config, **{head: _convert(value, _hints(type(config))[head], dotted)}
+    )
+
+
+def _flatten(mapping: dict, prefix: str = ""):
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def parse_config(
+    cls: type,
+    argv: Sequence[str] | None = None,
+    *,
+    description: str | None = None,
+    defaults: Any = None,
+) -> Any:
+    """Build ``cls`` from its defaults (or ``defaults``), ``--config FILE`` and the flags."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", type=Path, help="a YAML file of overrides (nested like the config)"
+    )
+    base = defaults if defaults is not None else cls()
+    leaves = list(_leaves(cls))
+    for name, kind, _default, doc in leaves:
+        current = base
+        for part in name.split("."):
+            current = getattr(current, part)
+        shown = current if not isinstance(current, tuple) else ",".join(map(str, current))
+        parser.add_argument(
+            f"--{name}",
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=_metavar(kind),
+            help=f"{doc} (default: {shown})",
+        )
+    args = vars(parser.parse_args(argv))
+    config = base
+    file = args.pop("config", None)
+    if file is not None:
+        import yaml
+
+        if not file.is_file():
+            parser.error(f"--config {file}: no such file")
+        data = yaml.safe_load(file.read_text()) or {}
+        if not isinstance(data, dict):
+            parser.error(f"--config {file}: the top level must be a mapping of config keys")
+        for key, value in _flatten(data):
+            try:
+                config = replace_path(config, key, value)
+            except (TypeError, ValueError) as err:
+                parser.error(f"--config {file}: {err}")
+    for key, value in args.items():
+        try:
+            config = replace_path(config, key, value)
+        except (TypeError, ValueError) as err:
+            parser.error(f"--{key}: {err}")
+    check = getattr(config, "check", None)
+    if callable(check):  # checks across sections, once everything is applied
+        try:
+            check()
+        except ValueError as err:
+            parser.error(str(err))
+    return config
+
+
+def _metavar(kind: Any) -> str:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return "|".join(_metavar(a) for a in typing.get_args(kind) if a is not type(None)) + "|none"
+    if origin is typing.Literal:
+        return "{" + ",".join(map(str, typing.get_args(kind))) + "}"
+    if origin in (tuple, list):
+        return "A,B,..."
+    return getattr(kind, "__name__", "VALUE").upper()
