@@ -1,0 +1,30 @@
+"""GiGPO: episode-level groups plus step-level groups of turns that share an anchor
+state (GiGPO, arXiv 2505.10978; docs/estimators.md). Trains a search agent end to end.
+
+    python pipelines/gigpo.py [--help] [--config my.yaml]
+    ray job submit --working-dir . -- python pipelines/gigpo.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ray_credit.estimators.gigpo import GiGPOConfig
+from ray_credit.pipeline import estimator_stage
+from ray_credit.pipeline.recipe import RunConfig, main
+
+
+@dataclass(frozen=True)
+class GiGPORun(RunConfig):
+    name: str = "gigpo"
+    """Run name: the output folder and the wandb run."""
+    gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
+    """GiGPO's estimator (the paper's defaults)."""
+
+
+def stages(ctx):
+    return [estimator_stage("gigpo", **asdict(ctx.cfg.gigpo))]
+
+
+if __name__ == "__main__":
+    main(GiGPORun, None, __doc__, stages)

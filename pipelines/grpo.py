@@ -1,0 +1,30 @@
+"""GRPO: one outcome-normalized advantage for every turn of a trajectory (the baseline
+the turn-level methods improve on; DeepSeekMath). Trains a search agent end to end.
+
+    python pipelines/grpo.py [--help] [--config my.yaml] [--pipeline.steps 50]
+    ray job submit --working-dir . -- python pipelines/grpo.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ray_credit.estimators.grpo import GRPOConfig
+from ray_credit.pipeline import estimator_stage
+from ray_credit.pipeline.recipe import RunConfig, main
+
+
+@dataclass(frozen=True)
+class GRPORun(RunConfig):
+    name: str = "grpo"
+    """Run name: the output folder and the wandb run."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """GRPO's estimator."""
+
+
+def stages(ctx):
+    return [estimator_stage("grpo", **asdict(ctx.cfg.grpo))]
+
+
+if __name__ == "__main__":
+    main(GRPORun, None, __doc__, stages)

@@ -1,0 +1,38 @@
+"""TSPO: turn-level credit from the first turn whose observation holds the gold answer
+(TSPO, arXiv 2601.22776; docs/estimators.md). Trains a search agent end to end.
+
+    python pipelines/tspo.py                               # embedded defaults, this machine
+    python pipelines/tspo.py --help                        # every setting
+    python pipelines/tspo.py --config my.yaml --pipeline.steps 50
+    ray job submit --working-dir . -- python pipelines/tspo.py   # on a running cluster
+    python pipelines/tspo.py --resume runs/tspo/checkpoint # continue a killed run
+
+Defaults: SmolLM2-135M-Instruct, MiniLM over the synthetic world, 6 steps of 4 questions
+x G=4, one step of staleness. Writes runs/tspo/{summary.json,plot.png,metrics.jsonl},
+the checkpoint and an offline wandb run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ray_credit.estimators.tspo import TSPOConfig
+from ray_credit.pipeline import estimator_stage
+from ray_credit.pipeline.recipe import RunConfig, main
+
+
+@dataclass(frozen=True)
+class TSPORun(RunConfig):
+    name: str = "tspo"
+    """Run name: the output folder and the wandb run."""
+    tspo: TSPOConfig = field(default_factory=TSPOConfig)
+    """TSPO's estimator (the paper's defaults)."""
+
+
+def stages(ctx):
+    # the generator fills turn_contains_gold, all TSPO reads besides the outcome
+    return [estimator_stage("tspo", **asdict(ctx.cfg.tspo))]
+
+
+if __name__ == "__main__":
+    main(TSPORun, None, __doc__, stages)
