@@ -10,10 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_rollout_services_example(ray_cluster):
+def run_example(ray_cluster, name: str, *args: str) -> str:
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "rollout_services.py"), "--model", "tiny-random"],
+        [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -21,22 +21,18 @@ def test_rollout_services_example(ray_cluster):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "8 trajectories" in out.stdout
-    assert "gen/searches" in out.stdout and "judge/requests" in out.stdout
+    return out.stdout
+
+
+def test_rollout_services_example(ray_cluster):
+    stdout = run_example(ray_cluster, "rollout_services.py", "--model", "tiny-random")
+    assert "8 trajectories" in stdout
+    assert "gen/searches" in stdout and "judge/requests" in stdout
     for name in ("grpo", "tspo", "cw_grpo", "search_p1", "igpo", "a2tgpo", "gigpo"):
-        assert f"\n{name} " in out.stdout, name
+        assert f"\n{name} " in stdout, name
 
 
 def test_compose_stages_example(ray_cluster):
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "compose_stages.py"), "--steps", "2"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "step 2: reward" in out.stdout and "no-search trajectories" in out.stdout
-    assert "trained groups 0..7, policy version 2" in out.stdout
+    stdout = run_example(ray_cluster, "compose_stages.py", "--steps", "2")
+    assert "step 2: reward" in stdout and "no-search trajectories" in stdout
+    assert "trained groups 0..7, policy version 2" in stdout
