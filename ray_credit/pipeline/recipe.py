@@ -285,6 +285,7 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     ray = connect(cfg)
     res = cfg.resources
+    _warn_if_short(ray, cfg)
     corpus, train_q, eval_q = load_data(cfg)
     print(f"data: {len(train_q)} training questions, {len(eval_q)} held out", flush=True)
     retriever = make_retriever_actor(corpus, encoder=cfg.encoder, num_cpus=res.retriever_cpus)
@@ -373,6 +374,26 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
         f"wrote {out}/summary.json, {out}/plot.png, {out}/metrics.jsonl, checkpoint {pipe_cfg.checkpoint_dir}"
     )
     return summary
+
+
+def _warn_if_short(ray: Any, cfg: RunConfig) -> None:
+    """Say so when the cluster has fewer CPUs than the run's actors ask for: they would
+    wait (for an autoscaler, or forever) without a word from Ray."""
+    res = cfg.resources
+    wanted = (
+        res.num_generators * res.generator_cpus
+        + res.learner_workers * res.learner_cpus
+        + res.retriever_cpus
+        + (res.eval_cpus if cfg.eval.enabled else 0.0)
+    )
+    have = float(ray.cluster_resources().get("CPU", 0.0))
+    if wanted > have:
+        print(
+            f"warning: this run's actors ask for {wanted:g} CPUs and the cluster has {have:g} "
+            "now; they will wait for an autoscaler to add nodes. Without one, lower "
+            "--resources.* (generator_cpus, learner_cpus, eval_cpus) to fit.",
+            flush=True,
+        )
 
 
 def make_generators(model: str, retriever: Any, config: GeneratorConfig, res, *, prefix: str):
