@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -304,16 +304,12 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
     )
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
-        from dataclasses import replace
-
         pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(checkpoint))
     logger = _Logger(cfg, out)
-    summary: dict[str, Any] = {"config": _as_dict(cfg), "output_dir": str(out)}
+    summary: dict[str, Any] = {"config": asdict(cfg), "output_dir": str(out)}
 
     eval_gen = None
     if cfg.eval.enabled:
-        from dataclasses import replace
-
         greedy = replace(
             cfg.generator,
             temperature=0.0,
@@ -423,12 +419,6 @@ class _Context:
     weight_targets: list = field(default_factory=list)
 
 
-def _as_dict(cfg: Any) -> dict:
-    from dataclasses import asdict
-
-    return asdict(cfg)
-
-
 class _Logger:
     """metrics.jsonl, a progress line per step, and wandb (offline by default)."""
 
@@ -449,7 +439,7 @@ class _Logger:
                 name=cfg.name,
                 dir=str(out),
                 mode=cfg.wandb,
-                config=_as_dict(cfg),
+                config=asdict(cfg),
                 reinit=True,
             )
 
