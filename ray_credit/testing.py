@@ -74,12 +74,21 @@ def random_batch(
     singleton_frac: float = 0.1,
     null_frac: float = 0.05,
     binary_reward: bool = True,
+    id_prefix: str = "",
+    policy_version: int = 0,
+    prompt_tokens: int = 0,
+    tokens_per_turn: int = 0,
 ) -> TrajectoryBatch:
     """A random batch with every signal column an estimator may read.
 
     Groups come in four kinds, drawn uniformly: all-wrong, all-correct, mixed, and
     all-equal in every signal; a ``singleton_frac`` share has one trajectory. Turn counts
     are uniform in ``[1, max_turns]``. Signals are null at rate ``null_frac``.
+
+    ``id_prefix`` starts every group and trajectory id (batches that will be concatenated
+    need different ones); every turn carries ``policy_version``. With ``tokens_per_turn >
+    0`` the batch also has the learner's token columns: ``prompt_tokens`` prompt tokens,
+    then ``tokens_per_turn`` per turn, the first half generated and the rest observation.
     """
     rng = np.random.default_rng(rng)
     sizes = np.where(rng.random(num_groups) < singleton_frac, 1, group_size)
@@ -124,14 +133,14 @@ def random_batch(
             pa.array(action, pa.string()),
             pa.nulls(t, pa.string()),
             pa.nulls(t, pa.string()),
-            pa.array(np.zeros(t, np.int64)),
+            pa.array(np.full(t, policy_version, np.int64)),
         ],
         fields=list(TURN_STRUCT),
     )
     ids = np.arange(n).astype(str)
     columns = {
-        "group_id": pa.array(np.char.add("g", group.astype(str))),
-        "traj_id": pa.array(np.char.add("t", ids)),
+        "group_id": pa.array(np.char.add(id_prefix + "g", group.astype(str))),
+        "traj_id": pa.array(np.char.add(id_prefix + "t", ids)),
         "question": pa.array(np.char.add("q", group.astype(str))),
         "gold_answers": pa.ListArray.from_arrays(
             pa.array(np.arange(n + 1, dtype=np.int32)), pa.array(np.full(n, "gold"))
@@ -154,4 +163,28 @@ def random_batch(
         "sp1_outcome_accuracy": pa.array(rng.choice(np.array([0, 0.5, 1], np.float32), n)),
         "sp1_outcome_reasoning": pa.array(rng.choice(np.array([0, 0.5, 0.8, 1], np.float32), n)),
     }
+    if tokens_per_turn > 0:
+        columns.update(_token_columns(rng, turns, prompt_tokens, tokens_per_turn))
     return TrajectoryBatch.from_table(pa.table(columns))
+
+
+def _token_columns(
+    rng: np.random.Generator, turns: np.ndarray, prompt: int, per_turn: int
+) -> dict[str, pa.Array]:
+    lengths = prompt + turns * per_turn
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    owner = np.repeat(np.arange(len(turns)), lengths)
+    within = np.arange(offsets[-1]) - offsets[:-1][owner] - prompt
+    turn = np.where(within < 0, -1, within // per_turn).astype(np.int16)
+    generated = (within >= 0) & (within % per_turn < (per_turn + 1) // 2)
+    logprobs = np.where(generated, -rng.exponential(1.0, len(owner)), 0.0).astype(np.float32)
+
+    def tokens(values: np.ndarray) -> pa.Array:
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+    return {
+        "input_ids": tokens(rng.integers(0, 32_000, len(owner), dtype=np.int32)),
+        "loss_mask": tokens(generated.astype(np.int8)),
+        "token_turn": tokens(turn),
+        "behavior_logprobs": tokens(logprobs),
+    }

@@ -331,3 +331,31 @@ def test_bitmap_readers_match_arrow_on_sliced_arrays_with_nulls(start):
     assert [float(x) for x, ok in zip(values, valid, strict=True) if ok] == [
         v for v in numbers.to_pylist() if v is not None
     ]
+
+
+def test_random_batch_token_columns_line_up_with_turns():
+    from ray_credit.testing import random_batch
+
+    batch = random_batch(
+        4,
+        num_groups=3,
+        group_size=2,
+        max_turns=3,
+        singleton_frac=0.0,
+        id_prefix="c7-",
+        policy_version=5,
+        prompt_tokens=6,
+        tokens_per_turn=4,
+    ).validate()
+    assert all(g.startswith("c7-g") for g in batch.column("group_id").to_pylist())
+    assert {t["policy_version"] for ts in batch.column("turns").to_pylist() for t in ts} == {5}
+    lengths = np.diff(batch.token_offsets)
+    np.testing.assert_array_equal(lengths, 6 + 4 * batch.turn_counts)
+    turn = batch.token_values("token_turn")
+    mask = batch.token_values("loss_mask")
+    assert (turn[:6] == -1).all() and (mask[:6] == 0).all()
+    # each turn: two generated tokens (with logprobs), then two observation tokens
+    np.testing.assert_array_equal(mask[6:10], [1, 1, 0, 0])
+    logprobs = batch.token_values("behavior_logprobs")
+    assert (logprobs[mask == 1] < 0).all() and (logprobs[mask == 0] == 0).all()
+    assert turn.max() == batch.turn_counts.max() - 1
