@@ -181,7 +181,7 @@ def main() -> int:
     if args.steps < 3:
         parser.error("--steps must be >= 3 (the first step is warm-up)")
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         sync = run_mode(args, 0)
         asynchronous = run_mode(args, 1)

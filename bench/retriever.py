@@ -259,7 +259,12 @@ def main() -> int:
     print(f"corpus: {len(docs)} docs, index built in {build_s:.1f} s; {len(queries)} queries")
 
     fastapi_process, fastapi_url = start_fastapi(args, corpus_path, index_folder)
-    ray.init(num_cpus=max(4, args.threads + 2), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=max(4, args.threads + 2),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         actor = make_retriever_actor(
             corpus_path,

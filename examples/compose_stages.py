@@ -44,7 +44,10 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-random")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    ray.init() if os.environ.get("RAY_ADDRESS") else ray.init(num_cpus=4, include_dashboard=False)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+    else:
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
 
     world = make_world(WorldConfig(seed=0, num_entities=30))
     retriever = make_retriever_actor(world.corpus, num_cpus=0.25)

@@ -40,7 +40,7 @@ def main() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
     else:
-        ray.init(num_cpus=4, include_dashboard=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
 
     world = make_world(WorldConfig(seed=0, num_entities=40))
     question = world.questions[0]

@@ -26,7 +26,7 @@ class CWGRPORun(RunConfig):
 
 
 def stages(ctx):
-    judges = make_judge_pool(ctx.cfg.judge, ctx.corpus)
+    judges = make_judge_pool(ctx.cfg.judge, ctx.corpus, ctx.cfg.resources)
 
     def judge(batch):
         return judges.annotate_cw_grpo(batch)

@@ -71,7 +71,10 @@ def main(argv=None) -> dict:
     questions = eval_q if cfg.split == "heldout" else train_q + eval_q
     model = resolve_model(cfg.model)
     retriever = make_retriever_actor(
-        corpus, encoder=cfg.encoder, num_cpus=cfg.resources.retriever_cpus
+        corpus,
+        encoder=cfg.encoder,
+        num_cpus=cfg.resources.retriever_cpus,
+        resources=cfg.resources.custom("service"),
     )
     generators = make_generators(model, retriever, cfg.generator, cfg.resources, prefix="eval")
     shares = np.array_split(np.arange(len(questions)), len(generators))

@@ -25,7 +25,7 @@ class SearchP1Run(RunConfig):
 
 
 def stages(ctx):
-    judges = make_judge_pool(ctx.cfg.judge, ctx.corpus)
+    judges = make_judge_pool(ctx.cfg.judge, ctx.corpus, ctx.cfg.resources)
 
     def judge(batch):
         return judges.annotate_search_p1(batch)

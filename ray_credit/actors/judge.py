@@ -291,7 +291,8 @@ class JudgePool:
         timeout_s: per call: one HTTP request (openai), one generate (hf).
         max_retries: retries of a failed call (openai).
         skip_failed: do not judge CW-GRPO turns of trajectories with ``outcome_reward <= 0``.
-        num_cpus, num_gpus: resources of each actor.
+        num_cpus, num_gpus, resources: resources of each actor (``resources``: custom
+            ones, e.g. ``{"service": 1}`` to land on a cluster's service nodes).
         **backend_kwargs: for the backend: ``corpus`` (evidence); ``model``, ``device``,
             ``dtype``, ``max_new_tokens`` (hf); ``base_url``, ``model``, ``api_key_env``,
             ``backoff_s``, ``max_tokens``, ``extra_body`` (openai).
@@ -309,6 +310,7 @@ class JudgePool:
         skip_failed: bool = True,
         num_cpus: float = 1,
         num_gpus: float = 0,
+        resources: dict[str, float] | None = None,
         **backend_kwargs: Any,
     ) -> None:
         self.judge_class = _judge_class(backend)
@@ -339,7 +341,7 @@ class JudgePool:
             )
         per_actor = math.ceil(max_concurrency / num_actors)
         remote = ray.remote(JudgeWorker).options(
-            num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=per_actor
+            num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_concurrency=per_actor
         )
         self._actors = [remote.remote(backend, **args, **backend_kwargs) for _ in range(num_actors)]
 

@@ -813,6 +813,7 @@ def make_retriever_actor(
     index_folder: str | os.PathLike | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
+    resources: dict[str, float] | None = None,
     max_batch_queries: int = 256,
     batch_wait_ms: float = 2.0,
     max_concurrency: int = 1000,
@@ -826,8 +827,9 @@ def make_retriever_actor(
     default ``device="auto"`` / ``use_gpu=None``, the encoder and (with faiss-gpu) the
     index run on the actor's GPU. ``max_restarts``: the actor holds no state but counters,
     so Ray may restart it after a crash; calls in flight then fail with Ray's actor error
-    and the caller retries (no hidden task retries). Call ``handle.search.remote(queries,
-    topk)``; ``handle.metrics.remote()`` for counters.
+    and the caller retries (no hidden task retries). ``resources``: custom resources
+    (``{"service": 1}`` places it on a cluster's service nodes). Call
+    ``handle.search.remote(queries, topk)``; ``handle.metrics.remote()`` for counters.
     """
     import ray
 
@@ -842,6 +844,7 @@ def make_retriever_actor(
     options: dict[str, Any] = {
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
+        "resources": resources,
         "max_concurrency": max_concurrency,
         "max_restarts": max_restarts,
     }

@@ -90,8 +90,9 @@ class JudgeConfig:
     """Retries of a failed call before its judgements are null (and counted)."""
 
 
-def make_judge_pool(cfg: JudgeConfig, corpus: Any):
-    """A JudgePool from its config section (``corpus`` feeds the evidence judge's titles)."""
+def make_judge_pool(cfg: JudgeConfig, corpus: Any, resources: ResourcesConfig | None = None):
+    """A JudgePool from its config section (``corpus`` feeds the evidence judge's titles;
+    ``resources.service_resource`` places its actors)."""
     from ray_credit.actors.judge import JudgePool
 
     kwargs: dict[str, Any] = {}
@@ -110,6 +111,7 @@ def make_judge_pool(cfg: JudgeConfig, corpus: Any):
         timeout_s=cfg.timeout_s,
         max_retries=cfg.max_retries,
         num_cpus=0.25,
+        resources=resources.custom("service") if resources is not None else None,
         **kwargs,
     )
 
@@ -136,7 +138,23 @@ class ResourcesConfig:
     """CPUs of the evaluation generator (busy only before and after training)."""
     local_cpus: int | None = None
     """Logical CPUs of a local Ray started by the script (None: the machine's, at least 6:
-    the evaluation generator idles while the others work)."""
+    the actors ask for more CPUs than they keep busy at once)."""
+    generator_resource: str | None = None
+    """A custom resource that each generator, the evaluation generator and the info-gain
+    scorer ask one unit of, to land on a cluster's generator nodes (cluster.yaml:
+    'generator'; None: none)."""
+    learner_resource: str | None = None
+    """A custom resource that each learner replica asks one unit of (cluster.yaml:
+    'learner'; None: none)."""
+    service_resource: str | None = None
+    """A custom resource that the retriever and each judge actor ask one unit of
+    (cluster.yaml: 'service'; None: none)."""
+
+    def custom(self, role: str) -> dict[str, float]:
+        """The custom resources of an actor of ``role`` ('generator', 'learner',
+        'service'): one unit of the configured resource, or none."""
+        name = getattr(self, f"{role}_resource")
+        return {name: 1.0} if name else {}
 
 
 @dataclass(frozen=True)
@@ -265,7 +283,8 @@ def connect(cfg: RunConfig):
         print(f"connected to the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
     else:
         cpus = cfg.resources.local_cpus or max(6, os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, include_dashboard=False)
+        # address="local": a new cluster even when a `ray start` head runs on this machine
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
         print(f"started a local Ray with {cpus} logical CPUs", flush=True)
     return ray
 
@@ -275,7 +294,6 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
     config, the retriever handle, the corpus, and ``weight_targets``: a list where a
     stage that needs the current policy (an info-gain scorer actor) puts its actor.
     Returns the summary it writes."""
-    from ray_credit.actors.generator import make_generator_actor
     from ray_credit.actors.learner_group import LearnerGroup
     from ray_credit.actors.retriever import make_retriever_actor
 
@@ -288,7 +306,9 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
     _warn_if_short(ray, cfg)
     corpus, train_q, eval_q = load_data(cfg)
     print(f"data: {len(train_q)} training questions, {len(eval_q)} held out", flush=True)
-    retriever = make_retriever_actor(corpus, encoder=cfg.encoder, num_cpus=res.retriever_cpus)
+    retriever = make_retriever_actor(
+        corpus, encoder=cfg.encoder, num_cpus=res.retriever_cpus, resources=res.custom("service")
+    )
     generators = make_generators(cfg.model, retriever, cfg.generator, res, prefix="gen")
     ctx = _Context(cfg=cfg, retriever=retriever, corpus=corpus, ray=ray)
     stage_list = stages(ctx)
@@ -298,7 +318,11 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
         cfg.learner,
         num_workers=res.learner_workers,
         use_gpu=res.use_gpu,
-        resources_per_worker={"CPU": res.learner_cpus, **({"GPU": 1} if res.use_gpu else {})},
+        resources_per_worker={
+            "CPU": res.learner_cpus,
+            **({"GPU": 1} if res.use_gpu else {}),
+            **res.custom("learner"),
+        },
         resume_from=None if cfg.resume is None else f"{cfg.resume}/learner",
         timeout_s=cfg.pipeline.timeout_s,
     )
@@ -308,24 +332,30 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
     logger = _Logger(cfg, out)
     summary: dict[str, Any] = {"config": asdict(cfg), "output_dir": str(out)}
 
-    eval_gen = None
-    if cfg.eval.enabled:
+    def eval_generator(version: int):
+        """A greedy generator on the learner's weights of ``version``; started for each
+        evaluation and killed after it, so that it holds no resources while training."""
         greedy = replace(
             cfg.generator,
             temperature=0.0,
             group_size=1,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.generator.max_new_tokens,
         )
-        eval_gen = make_generator_actor(
-            cfg.model, retriever, greedy, num_cpus=res.eval_cpus, name="eval"
+        (actor,) = make_generators(
+            cfg.model, retriever, greedy, res, prefix=None, count=1, num_cpus=res.eval_cpus
         )
-        if cfg.resume is not None:  # "before" is the resumed policy
+        if version > 0:
             ray.get(
-                eval_gen.update_weights.remote(learner.policy_version, learner.weights()),
+                actor.update_weights.remote(version, learner.weights()),
                 timeout=pipe_cfg.timeout_s,
             )
+        return actor
+
+    if cfg.eval.enabled:
         t0 = time.perf_counter()
+        eval_gen = eval_generator(learner.policy_version)  # resumed: the resumed policy
         summary["eval_before"] = evaluate(eval_gen, eval_q, pipe_cfg.timeout_s)
+        ray.kill(eval_gen)
         print(
             f"eval before training: EM {summary['eval_before']['em']:.3f} on {len(eval_q)} "
             f"held-out questions ({time.perf_counter() - t0:.0f}s)",
@@ -348,12 +378,10 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
     summary["groups_trained"] = len(pipeline.trained_groups)
     summary["checkpoint"] = pipe_cfg.checkpoint_dir
 
-    if eval_gen is not None:
-        ray.get(
-            eval_gen.update_weights.remote(pipeline.version, learner.weights()),
-            timeout=pipe_cfg.timeout_s,
-        )
+    if cfg.eval.enabled:
+        eval_gen = eval_generator(pipeline.version)
         summary["eval_after"] = evaluate(eval_gen, eval_q, pipe_cfg.timeout_s)
+        ray.kill(eval_gen)
         logger.log({"eval/em": summary["eval_after"]["em"]}, step=pipeline.step)
         print(
             f"eval after {pipeline.step} steps: EM {summary['eval_after']['em']:.3f} "
@@ -373,27 +401,48 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
 
 
 def _warn_if_short(ray: Any, cfg: RunConfig) -> None:
-    """Say so when the cluster has fewer CPUs than the run's actors ask for: they would
-    wait (for an autoscaler, or forever) without a word from Ray."""
+    """Say so when the cluster has less of a resource than the run's main actors ask for
+    (generators, learner, retriever, evaluation generator): they would wait (for an
+    autoscaler, or forever) without a word from Ray."""
+    from collections import Counter
+
     res = cfg.resources
-    wanted = (
-        res.num_generators * res.generator_cpus
-        + res.learner_workers * res.learner_cpus
-        + res.retriever_cpus
-        + (res.eval_cpus if cfg.eval.enabled else 0.0)
-    )
-    have = float(ray.cluster_resources().get("CPU", 0.0))
-    if wanted > have:
+    wanted: Counter[str] = Counter()
+    generators = res.num_generators + (1 if cfg.eval.enabled else 0)
+    wanted["CPU"] += res.num_generators * res.generator_cpus + res.retriever_cpus
+    wanted["CPU"] += res.eval_cpus if cfg.eval.enabled else 0.0
+    wanted["CPU"] += res.learner_workers * res.learner_cpus
+    wanted["GPU"] += generators * res.generator_gpus + (res.learner_workers if res.use_gpu else 0)
+    for role, count in (("generator", generators), ("learner", res.learner_workers)):
+        for name, amount in res.custom(role).items():
+            wanted[name] += count * amount
+    for name, amount in res.custom("service").items():
+        wanted[name] += amount
+    have = ray.cluster_resources()
+    short = {k: v for k, v in wanted.items() if v > have.get(k, 0.0) + 1e-9}
+    if short:
+        needs = ", ".join(f"{v:g} {k} (cluster has {have.get(k, 0.0):g})" for k, v in short.items())
         print(
-            f"warning: this run's actors ask for {wanted:g} CPUs and the cluster has {have:g} "
-            "now; they will wait for an autoscaler to add nodes. Without one, lower "
-            "--resources.* (generator_cpus, learner_cpus, eval_cpus) to fit.",
+            f"warning: this run's actors ask for {needs}; they will wait for an autoscaler "
+            "to add nodes. Without one, lower --resources.* (generator_cpus, learner_cpus, "
+            "eval_cpus, ...) or unset the custom resources to fit.",
             flush=True,
         )
 
 
-def make_generators(model: str, retriever: Any, config: GeneratorConfig, res, *, prefix: str):
-    """``res.num_generators`` generator actors with the resources of ``res``."""
+def make_generators(
+    model: str,
+    retriever: Any,
+    config: GeneratorConfig,
+    res: ResourcesConfig,
+    *,
+    prefix: str | None,
+    count: int | None = None,
+    num_cpus: float | None = None,
+) -> list:
+    """``count`` (default ``res.num_generators``) generator actors named ``prefix0``, ...
+    (None: unnamed), each with ``num_cpus`` (default ``res.generator_cpus``), the GPUs and
+    the custom generator resource of ``res``."""
     from ray_credit.actors.generator import make_generator_actor
 
     return [
@@ -401,12 +450,13 @@ def make_generators(model: str, retriever: Any, config: GeneratorConfig, res, *,
             model,
             retriever,
             config,
-            num_cpus=res.generator_cpus,
+            num_cpus=res.generator_cpus if num_cpus is None else num_cpus,
             num_gpus=res.generator_gpus,
+            resources=res.custom("generator"),
             device="cuda" if res.generator_gpus else "cpu",
-            name=f"{prefix}{i}",
+            name=None if prefix is None else f"{prefix}{i}",
         )
-        for i in range(res.num_generators)
+        for i in range(res.num_generators if count is None else count)
     ]
 
 
@@ -513,6 +563,7 @@ def scorer_stage(ctx: Any, mode: str) -> Callable:
         mode=mode,
         num_cpus=res.generator_cpus,
         num_gpus=res.generator_gpus,
+        resources=res.custom("generator"),
         device="cuda" if res.generator_gpus else "cpu",
     )
     ctx.weight_targets.append(scorer)

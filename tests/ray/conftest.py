@@ -17,7 +17,8 @@ def ray_cluster():
     if ray.is_initialized():
         yield ray
         return
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    # address="local": our own cluster, whatever `ray start` head runs (or ran) here
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     try:
         yield ray
     finally:

@@ -1,0 +1,240 @@
+"""The cluster workflows users run: `ray job submit` against `ray start --head`, the
+fake-multinode twin of cluster.yaml scaling up and down, and cluster.yaml against Ray's
+own config schema.
+
+These start their own Ray head with `ray start` (default ports 6379 and 8265), in a new
+process session that teardown kills entirely: no `ray stop`, which would kill every Ray
+process on the machine. They run before tests/ray's shared cluster exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+ADDRESS = "http://127.0.0.1:8265"
+
+pytestmark = pytest.mark.slow
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid:  # field 6 of stat: the session id
+            pids.append(int(entry.name))
+    return pids
+
+
+class RayHead:
+    """`ray start --head` in a process session of its own, with its own auth token."""
+
+    def __init__(self, tmp: Path, *args: str, fake_cluster: bool = False):
+        for port in (6379, 8265):
+            if not _port_free(port):
+                pytest.fail(
+                    f"port {port} is taken: a Ray cluster is running on this machine; stop it "
+                    "(`ray stop`) before running tests/e2e"
+                )
+        self.env = {
+            **os.environ,
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            # Token auth with a token of our own: works whether or not ~/.ray/auth_token
+            # exists (a head started while it exists requires it from clients).
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32),
+            "RAY_CREDIT_CACHE": os.environ.get("RAY_CREDIT_CACHE", str(tmp / "cache")),
+        }
+        self.env.pop("RAY_ADDRESS", None)
+        if fake_cluster:
+            self.env["RAY_FAKE_CLUSTER"] = "1"
+        self.tmp = tmp
+        self.proc = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", *args],
+            cwd=tmp, env=self.env, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        out, _ = self.proc.communicate(timeout=120)
+        if self.proc.returncode != 0:
+            self.stop()
+            pytest.fail(f"ray start failed:\n{out}")
+
+    def ray(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "ray"), *args],
+            cwd=self.tmp, env=self.env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+
+    def active_nodes(self) -> dict[str, int]:
+        """Node type -> count of the autoscaler's active nodes (`ray status`)."""
+        out = self.ray("status", timeout=60).stdout
+        counts: dict[str, int] = {}
+        active = False
+        for line in out.splitlines():
+            if line.startswith("Active:"):
+                active = True
+            elif line.startswith(("Pending:", "Idle:")) or not line.strip():
+                active = False
+            elif active:
+                n, node_type = line.split()
+                counts[node_type] = int(n)
+        return counts
+
+    def stop(self) -> None:
+        from ray._common.utils import reset_ray_address
+
+        sid = self.proc.pid  # start_new_session: the session id is ray start's pid
+        reset_ray_address()  # as `ray stop` does: no later ray.init() looks for this head
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = _session_pids(sid)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 15
+            while _session_pids(sid) and time.monotonic() < deadline:
+                time.sleep(0.5)
+
+
+def _summary(out_dir: Path, name: str) -> dict:
+    return json.loads((out_dir / name / "summary.json").read_text())
+
+
+def test_job_submit_against_a_local_head(tmp_path):
+    """`ray job submit --working-dir . -- python pipelines/tspo.py`: the script connects
+    to the head (RAY_ADDRESS) instead of starting its own Ray."""
+    head = RayHead(tmp_path, "--num-cpus=4")
+    try:
+        out = subprocess.run(
+            [
+                str(BIN / "ray"), "job", "submit", "--address", ADDRESS, "--working-dir", ".",
+                "--", "python", "pipelines/tspo.py",
+                "--config", "pipelines/configs/local_cluster.yaml",
+                "--resources.generator_resource", "none",
+                "--resources.learner_resource", "none",
+                "--resources.service_resource", "none",
+                "--name", "submitted", "--output_dir", str(tmp_path / "runs"),
+            ],
+            cwd=ROOT, env=head.env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        log = out.stdout + out.stderr
+        assert out.returncode == 0, log[-6000:]
+        assert "connected to the Ray cluster" in log and "started a local Ray" not in log
+        summary = _summary(tmp_path / "runs", "submitted")
+        assert summary["steps"] == 2 and summary["groups_trained"] == 4
+        assert {"eval_before", "eval_after"} <= set(summary)
+    finally:
+        head.stop()
+
+
+def test_fake_multinode_twin_scales_up_for_a_job_and_back_down(tmp_path):
+    """cluster.local.yaml: the job's actors ask for the custom resources of the worker node
+    types, the autoscaler adds those nodes, the job finishes, idle nodes go away."""
+    head = RayHead(
+        tmp_path, f"--autoscaling-config={ROOT / 'cluster.local.yaml'}", fake_cluster=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not head.active_nodes() and time.monotonic() < deadline:
+            time.sleep(1)  # the autoscaler's first report
+        assert set(head.active_nodes()) == {"ray.head.default"}
+        log_path = tmp_path / "job.log"
+        with log_path.open("w") as log:
+            # No --working-dir: fake nodes share one session folder, and a node that drops
+            # its copy of the package would pull it from under the others' workers.
+            job = subprocess.Popen(
+                [
+                    str(BIN / "ray"), "job", "submit", "--address", ADDRESS, "--",
+                    "python", str(ROOT / "pipelines" / "tspo.py"),
+                    "--config", str(ROOT / "pipelines" / "configs" / "local_cluster.yaml"),
+                    "--output_dir", str(tmp_path / "runs"),
+                ],
+                cwd=tmp_path, env=head.env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            peak: dict[str, int] = {}
+            deadline = time.monotonic() + 600
+            while job.poll() is None and time.monotonic() < deadline:
+                for node_type, n in head.active_nodes().items():
+                    peak[node_type] = max(peak.get(node_type, 0), n)
+                time.sleep(2)
+            if job.poll() is None:
+                job.kill()
+        log_text = log_path.read_text()
+        assert job.returncode == 0, log_text[-6000:]
+        # every role's node type was added to place its actors
+        assert peak.get("generator_gpu", 0) >= 1, peak
+        assert peak.get("learner_gpu", 0) == 1 and peak.get("service_cpu", 0) == 1, peak
+        summary = _summary(tmp_path / "runs", "local-cluster")
+        assert summary["steps"] == 2 and summary["eval_after"]["questions"] == 4
+
+        # idle_timeout_minutes is 0.25 in the twin: the workers go within a minute or two
+        deadline = time.monotonic() + 180
+        nodes = head.active_nodes()
+        while set(nodes) != {"ray.head.default"} and time.monotonic() < deadline:
+            time.sleep(3)
+            nodes = head.active_nodes()
+        assert set(nodes) == {"ray.head.default"}, f"workers still up after idle: {nodes}"
+    finally:
+        head.stop()
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((ROOT / name).read_text())
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster.local.yaml"])
+def test_cluster_configs_pass_rays_schema(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    # as `ray up` does before it talks to the cloud: merge the provider's defaults, then
+    # check against ray-schema.json (raises on a violation). The wheel lacks the fake
+    # provider's defaults file, so the twin spells every field out and goes in as is.
+    config = _load(name)
+    if config["provider"]["type"] != "fake_multinode":
+        config = prepare_config(config)
+    validate_config(config)
+    assert config["head_node_type"] in config["available_node_types"]
+
+
+def test_twin_mirrors_cluster_yaml_and_pipeline_configs_use_its_resources():
+    real, twin = _load("cluster.yaml"), _load("cluster.local.yaml")
+    assert real["provider"]["type"] == "aws" and twin["provider"]["type"] == "fake_multinode"
+    assert real["available_node_types"].keys() == twin["available_node_types"].keys()
+
+    def custom(node_type: dict) -> set[str]:
+        return set(node_type["resources"]) - {"CPU", "GPU", "memory", "object_store_memory"}
+
+    for name, node_type in real["available_node_types"].items():
+        assert custom(node_type) == custom(twin["available_node_types"][name]), name
+    offered = set().union(*(custom(t) for t in real["available_node_types"].values()))
+    assert offered == {"generator", "learner", "service"}
+    assert any("pip install" in c and "ray_credit" in c for c in real["setup_commands"])
+    for config in ("aws.yaml", "local_cluster.yaml"):
+        res = yaml.safe_load((ROOT / "pipelines" / "configs" / config).read_text())["resources"]
+        asked = {res[f"{role}_resource"] for role in ("generator", "learner", "service")}
+        assert asked == offered, config
