@@ -3,7 +3,8 @@
 Nothing in ray_credit is edited: the estimator is a frozen config dataclass plus a pure
 function, wrapped in an `Estimator` and registered at run time. Run it with
 
-    python examples/custom_estimator.py
+    python examples/custom_estimator.py                  # on a random batch
+    python examples/custom_estimator.py --train 2        # and in a 2-step training run
 
 The example estimator, "discounted_grpo", gives each turn the GRPO advantage of its
 trajectory scaled by gamma ** (turns remaining), so early turns of a long trajectory get
@@ -12,7 +13,9 @@ less credit than the answer turn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import tempfile
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -53,7 +56,32 @@ ESTIMATOR = register_estimator(
 )
 
 
+def train_with_it(steps: int) -> None:
+    """The estimator as the credit stage of a training run (the recipe behind every
+    pipeline): generators, learner and the loop are the library's, the credit is ours."""
+    from ray_credit.pipeline import estimator_stage
+    from ray_credit.pipeline.recipe import RunConfig, train
+
+    cfg = RunConfig(name="discounted-grpo", model="tiny-random", wandb="disabled")
+    cfg = replace(
+        cfg,
+        output_dir=tempfile.mkdtemp(prefix="custom_estimator_"),
+        data=replace(cfg.data, eval_questions=4),
+        pipeline=replace(cfg.pipeline, steps=steps, groups_per_step=2),
+        resources=replace(cfg.resources, learner_cpus=1, eval_cpus=1),
+    )
+    summary = train(cfg, lambda ctx: [estimator_stage("discounted_grpo", gamma=0.8)])
+    last = summary["final_step_metrics"]
+    print(
+        f"trained {summary['steps']} steps with discounted_grpo: mean discount "
+        f"{last['discounted_grpo/mean_discount']:.3f}, reward {last['train/reward_mean']:.3f}"
+    )
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--train", type=int, default=0, metavar="STEPS")
+    args = parser.parse_args()
     batch = random_batch(0, num_groups=4, group_size=4, max_turns=4)
     out = get_estimator("discounted_grpo")(batch, gamma=0.5)  # by name, like any built-in
     for row in out.select(range(4)).to_records():
@@ -64,6 +92,8 @@ def main() -> None:
             [round(a, 3) for a in row["turn_advantages"]],
         )
     print({k: round(v, 4) for k, v in out.metrics.items()})
+    if args.train:
+        train_with_it(args.train)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from ray_credit.pipeline.recipe import (
     connect,
     load_data,
     make_generators,
+    make_retriever,
 )
 
 
@@ -32,6 +33,8 @@ class EvalRun:
     """A checkpoint folder (runs/NAME/checkpoint), an HF id or folder, or an embedded name."""
     encoder: str = "minilm"
     """Retriever encoder: 'minilm', 'e5' or an HF id / folder."""
+    retriever_url: str | None = None
+    """An existing `/retrieve` server to search instead of building an index here."""
     split: str = "heldout"
     """'heldout' (the questions a training run with the same data settings holds out) or 'all'."""
     output: str | None = None
@@ -60,7 +63,6 @@ def resolve_model(path: str) -> str:
 
 
 def main(argv=None) -> dict:
-    from ray_credit.actors.retriever import make_retriever_actor
     from ray_credit.config import parse_config
 
     cfg = parse_config(EvalRun, argv, description=__doc__)
@@ -70,12 +72,7 @@ def main(argv=None) -> dict:
     corpus, train_q, eval_q = load_data(run)
     questions = eval_q if cfg.split == "heldout" else train_q + eval_q
     model = resolve_model(cfg.model)
-    retriever = make_retriever_actor(
-        corpus,
-        encoder=cfg.encoder,
-        num_cpus=cfg.resources.retriever_cpus,
-        resources=cfg.resources.custom("service"),
-    )
+    retriever = make_retriever(corpus, cfg.encoder, cfg.retriever_url, cfg.resources)
     generators = make_generators(model, retriever, cfg.generator, cfg.resources, prefix="eval")
     shares = np.array_split(np.arange(len(questions)), len(generators))
     refs = [

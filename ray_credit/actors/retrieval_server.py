@@ -231,6 +231,7 @@ class RemoteRetriever:
                 f"{timeout_s}, {backoff_s}"
             )
         self.url, self.retries, self.backoff_s = url, retries, backoff_s
+        self.timeout_s = timeout_s
         self._httpx = httpx
         self._client = httpx.Client(timeout=timeout_s)
         self._metrics = {
@@ -267,6 +268,14 @@ class RemoteRetriever:
 
     def close(self) -> None:
         self._client.close()
+
+    def __reduce__(self):
+        # Pickles as its settings (into generator actors): the copy opens its own
+        # connections and starts its own counters.
+        return (
+            _remote_retriever,
+            (self.url, self.timeout_s, self.retries, self.backoff_s),
+        )
 
     def __enter__(self) -> RemoteRetriever:
         return self
@@ -330,6 +339,10 @@ class RemoteRetriever:
                 f"{self.url} answered hits without the Search-R1 shape "
                 f'{{"document": {{"id", "contents"}}, "score"}} ({err!r})'
             ) from None
+
+
+def _remote_retriever(url: str, timeout_s: float, retries: int, backoff_s: float):
+    return RemoteRetriever(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
 
 
 def _hit(entry: Mapping[str, Any]) -> Hit:

@@ -40,6 +40,7 @@ __all__ = [
     "load_data",
     "make_generators",
     "make_judge_pool",
+    "make_retriever",
     "train",
 ]
 
@@ -167,6 +168,9 @@ class RunConfig:
     """Policy: an embedded name, an HF id or a folder."""
     encoder: str = "minilm"
     """Retriever encoder: 'minilm', 'e5' or an HF id / folder."""
+    retriever_url: str | None = None
+    """An existing Search-R1 style `/retrieve` server (http://host:port/retrieve) to search
+    instead of building an index here; the corpus then only feeds the judges."""
     output_dir: str = "runs"
     """Outputs go to output_dir/name."""
     resume: str | None = None
@@ -295,7 +299,6 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
     stage that needs the current policy (an info-gain scorer actor) puts its actor.
     Returns the summary it writes."""
     from ray_credit.actors.learner_group import LearnerGroup
-    from ray_credit.actors.retriever import make_retriever_actor
 
     cfg.check()
     t_start = time.perf_counter()
@@ -306,9 +309,7 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
     _warn_if_short(ray, cfg)
     corpus, train_q, eval_q = load_data(cfg)
     print(f"data: {len(train_q)} training questions, {len(eval_q)} held out", flush=True)
-    retriever = make_retriever_actor(
-        corpus, encoder=cfg.encoder, num_cpus=res.retriever_cpus, resources=res.custom("service")
-    )
+    retriever = make_retriever(corpus, cfg.encoder, cfg.retriever_url, res)
     generators = make_generators(cfg.model, retriever, cfg.generator, res, prefix="gen")
     ctx = _Context(cfg=cfg, retriever=retriever, corpus=corpus, ray=ray)
     stage_list = stages(ctx)
@@ -428,6 +429,22 @@ def _warn_if_short(ray: Any, cfg: RunConfig) -> None:
             "eval_cpus, ...) or unset the custom resources to fit.",
             flush=True,
         )
+
+
+def make_retriever(corpus: Any, encoder: str, url: str | None, res: ResourcesConfig) -> Any:
+    """What generators search: a client of the server at ``url`` (each generator gets its
+    own copy), else a retriever actor over ``corpus`` with the resources of ``res``."""
+    if url:
+        from ray_credit.actors.retrieval_server import RemoteRetriever
+
+        retriever = RemoteRetriever(url)
+        retriever.search(["connection check"], 1)  # a wrong URL fails here, not mid-run
+        return retriever
+    from ray_credit.actors.retriever import make_retriever_actor
+
+    return make_retriever_actor(
+        corpus, encoder=encoder, num_cpus=res.retriever_cpus, resources=res.custom("service")
+    )
 
 
 def make_generators(

@@ -36,3 +36,16 @@ def test_compose_stages_example(ray_cluster):
     stdout = run_example(ray_cluster, "compose_stages.py", "--steps", "2")
     assert "step 2: reward" in stdout and "no-search trajectories" in stdout
     assert "trained groups 0..7, policy version 2" in stdout
+
+
+def test_external_retriever_example(ray_cluster):
+    stdout = run_example(ray_cluster, "external_retriever.py", "--steps", "1")
+    assert "/retrieve: top hit" in stdout
+    assert "trained 1 steps against the external retriever" in stdout
+    served = int(stdout.split("the stand-in server answered ")[1].split()[0])
+    assert served > 2  # the generators' searches, beyond the two connection checks
+
+
+def test_custom_estimator_example_trains_with_it(ray_cluster):
+    stdout = run_example(ray_cluster, "custom_estimator.py", "--train", "2")
+    assert "trained 2 steps with discounted_grpo: mean discount" in stdout

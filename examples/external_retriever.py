@@ -1,0 +1,105 @@
+"""Train against a retrieval server you already run (Search-R1's `retrieval_server.py`,
+or anything answering its `/retrieve` JSON) instead of building an index here.
+
+    python examples/external_retriever.py --url http://127.0.0.1:8000/retrieve
+    python examples/external_retriever.py            # starts a stand-in server first
+
+The generators get a `RemoteRetriever` (each actor its own client: timeouts, retries
+with backoff, counters) and search the server; nothing is encoded or indexed in the
+job. The same switch on every pipeline: `python pipelines/tspo.py --retriever_url URL`.
+
+Without --url, a stand-in plays the existing server: a plain `http.server` (no Ray)
+answering `/retrieve` over the synthetic world's corpus, the way a server from another
+project would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+from dataclasses import asdict, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ray_credit.actors.retrieval_server import (
+    RemoteRetriever,
+    parse_retrieve_request,
+    retrieve_response,
+)
+from ray_credit.actors.retriever import Retriever
+from ray_credit.data import make_world
+from ray_credit.estimators.tspo import TSPOConfig
+from ray_credit.pipeline import estimator_stage
+from ray_credit.pipeline.recipe import RunConfig, train
+
+QUERIES_SERVED = [0]  # by the stand-in
+
+
+def start_stand_in_server(world_config) -> str:
+    """A `/retrieve` server in a thread of this process; returns its URL."""
+    retriever = Retriever.create(make_world(world_config).corpus, encoder="minilm")
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the stdlib's name)
+            try:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                queries, topk, scores = parse_retrieve_request(body)
+            except ValueError as err:
+                self._send(400, {"error": str(err)})
+                return
+            with lock:
+                hits = retriever.search(queries, topk)
+                QUERIES_SERVED[0] += len(queries)
+            self._send(200, retrieve_response(hits, return_scores=scores))
+
+        def _send(self, status, payload):
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}/retrieve"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--url", help="an existing /retrieve endpoint (default: a stand-in)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--output-dir", default=tempfile.mkdtemp(prefix="external_retriever_"))
+    args = parser.parse_args()
+
+    cfg = RunConfig(name="external-retriever", model=args.model, output_dir=args.output_dir)
+    cfg = replace(
+        cfg,
+        wandb="disabled",
+        retriever_url=args.url or start_stand_in_server(cfg.data.world),
+        data=replace(cfg.data, eval_questions=4),
+        pipeline=replace(cfg.pipeline, steps=args.steps, groups_per_step=2),
+        resources=replace(cfg.resources, learner_cpus=1, eval_cpus=1),
+    )
+    with RemoteRetriever(cfg.retriever_url) as probe:  # what the generators will see
+        top = probe.search(["Who founded the oldest city?"], 2)[0]
+        print(f"server {cfg.retriever_url}: top hit {top[0]['title']!r} ({top[0]['score']:.3f})")
+    summary = train(cfg, lambda ctx: [estimator_stage("tspo", **asdict(TSPOConfig()))])
+    last = summary["final_step_metrics"]
+    print(
+        f"trained {summary['steps']} steps against the external retriever: "
+        f"{last['gen/searches']:.0f} searches in the last step, "
+        f"EM {summary['eval_before']['em']:.3f} -> {summary['eval_after']['em']:.3f}"
+    )
+    if not args.url:
+        print(f"the stand-in server answered {QUERIES_SERVED[0]} queries")
+
+
+if __name__ == "__main__":
+    main()
