@@ -76,6 +76,7 @@ COUNTERS = (
     "context_limit_hits",
     "searches",
     "retrieval_seconds",
+    "retrieval_retries",
     "generated_tokens",
     "observation_tokens",
 )
@@ -225,7 +226,7 @@ class Generator:
         self._final_prefix_ids = list(
             self.tokenizer(self.config.final_turn_prefix, add_special_tokens=False)["input_ids"]
         )
-        self._search = _search_function(retriever, retrieval_timeout_s)
+        self._search = _Search(retriever, retrieval_timeout_s)
         self.name = name or uuid.uuid4().hex[:8]
         self.policy_version = 0
         self._calls = 0
@@ -406,8 +407,10 @@ class Generator:
 
         queries = [q for _, qs in pending for q in qs]
         start = time.perf_counter()
+        retries_before = self._search.retries
         results = self._search(queries, self.config.topk)
         counts["retrieval_seconds"] += time.perf_counter() - start
+        counts["retrieval_retries"] += self._search.retries - retries_before
         counts["searches"] += len(queries)
         if len(results) != len(queries):
             raise RuntimeError(
@@ -492,29 +495,57 @@ def _fit(sample: SampledTurn, room: int) -> SampledTurn:
     return SampledTurn(sample.token_ids[:room], sample.logprobs[:room], True)
 
 
-def _search_function(retriever: Any, timeout_s: float):
-    """``search(queries, topk)`` for a plain retriever or a Ray actor handle."""
-    if "ray" in sys.modules:
+class _Search:
+    """``search(queries, topk)`` for a plain retriever or a Ray actor handle; ``retries``
+    counts the retried calls (a retriever actor that died and is being restarted by Ray,
+    a ``RemoteRetriever``'s own retries)."""
+
+    def __init__(self, retriever: Any, timeout_s: float, retries: int = 4, backoff_s: float = 1.0):
+        self.retriever, self.timeout_s = retriever, timeout_s
+        self.max_retries, self.backoff_s = retries, backoff_s
+        self._own_retries = 0
+        self._actor = False
+        if "ray" in sys.modules:
+            import ray
+
+            self._actor = isinstance(retriever, ray.actor.ActorHandle)
+        if not self._actor and not callable(getattr(retriever, "search", None)):
+            raise TypeError(
+                f"retriever must have a search(queries, topk) method, got "
+                f"{type(retriever).__name__}"
+            )
+
+    @property
+    def retries(self) -> int:
+        if self._actor:
+            return self._own_retries
+        metrics = getattr(self.retriever, "metrics", None)
+        return int(metrics().get("retries", 0)) if callable(metrics) else 0
+
+    def __call__(self, queries: Sequence[str], topk: int) -> list:
+        if not self._actor:
+            return self.retriever.search(queries, topk)
         import ray
 
-        if isinstance(retriever, ray.actor.ActorHandle):
-
-            def search(queries, topk):
-                ref = retriever.search.remote(queries, topk)
-                try:
-                    return ray.get(ref, timeout=timeout_s)
-                except ray.exceptions.GetTimeoutError as err:
-                    raise TimeoutError(
-                        f"retrieval of {len(queries)} queries took over {timeout_s} s; raise "
-                        "retrieval_timeout_s or scale the retriever"
+        for attempt in range(self.max_retries + 1):
+            ref = self.retriever.search.remote(queries, topk)
+            try:
+                return ray.get(ref, timeout=self.timeout_s)
+            except ray.exceptions.GetTimeoutError as err:
+                raise TimeoutError(
+                    f"retrieval of {len(queries)} queries took over {self.timeout_s} s; raise "
+                    "retrieval_timeout_s or scale the retriever"
+                ) from err
+            except ray.exceptions.RayActorError as err:
+                # the retriever died; Ray restarts it (max_restarts) and the call is retried
+                if attempt == self.max_retries:
+                    raise RuntimeError(
+                        f"the retriever actor failed {attempt + 1} times in a row ({err}); "
+                        "check its logs (OOM? a crash?) or give it more max_restarts"
                     ) from err
-
-            return search
-    if not callable(getattr(retriever, "search", None)):
-        raise TypeError(
-            f"retriever must have a search(queries, topk) method, got {type(retriever).__name__}"
-        )
-    return retriever.search
+                self._own_retries += 1
+                time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
 
 
 def _sampler_stats(sampler: Sampler) -> dict[str, float]:
@@ -552,10 +583,18 @@ def make_generator_actor(
     num_cpus: float = 1,
     num_gpus: float = 0,
     resources: dict | None = None,
+    max_restarts: int = 0,
     **kwargs: Any,
 ):
-    """Start a :class:`Generator` as a Ray actor; resources come from the caller."""
+    """Start a :class:`Generator` as a Ray actor; resources come from the caller.
+
+    ``max_restarts``: how often Ray may restart it after its process dies. A restarted
+    generator comes back on the base weights at policy version 0; the pipeline re-sends
+    the current weights and the lost call (see :class:`~ray_credit.pipeline.Pipeline`).
+    """
     import ray
 
-    actor = ray.remote(Generator).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources)
+    actor = ray.remote(Generator).options(
+        num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=max_restarts
+    )
     return actor.remote(*args, **kwargs)

@@ -127,6 +127,9 @@ class ResourcesConfig:
     """CPUs per generator (Ray gives an actor as many torch threads)."""
     generator_gpus: float = 0.0
     """GPUs per generator."""
+    generator_max_restarts: int = 2
+    """How often Ray may restart a generator whose process died; the pipeline re-sends it
+    the current weights and the call it lost (0: a dead generator leaves the pool)."""
     learner_workers: int = 1
     """Learner replicas (>1: Ray Train DDP)."""
     learner_cpus: float = 2.0
@@ -470,6 +473,7 @@ def make_generators(
             num_cpus=res.generator_cpus if num_cpus is None else num_cpus,
             num_gpus=res.generator_gpus,
             resources=res.custom("generator"),
+            max_restarts=res.generator_max_restarts,
             device="cuda" if res.generator_gpus else "cpu",
             name=None if prefix is None else f"{prefix}{i}",
         )

@@ -16,6 +16,14 @@ the loop also checks on every trajectory (per-turn version tags) and raises on, 
 than trusting arithmetic. ``max_staleness = 0`` is synchronous on-policy training.
 Nothing is discarded: admission delays a group instead.
 
+Failures. A generator whose process dies loses its call, not the run: the chunk goes
+back to the front of the queue for the next idle generator. Ray restarts the actor when
+it was made with ``max_restarts`` (it comes back on the base weights, so the current ones
+are re-sent before it gets work); one that is gone for good leaves the pool, and the run
+goes on with the others. Every such event is counted (``pipeline/generator_failures``,
+``pipeline/generators_lost``, ``pipeline/chunks_redone``, ``sync/resyncs``). The
+retriever and the judges retry their own calls (see the generator and the judge pool).
+
 Backpressure. At most ``(max_staleness + 1) * B`` groups exist beyond the trained
 ones (in flight or buffered), each generator runs one chunk at a time, the weight
 publisher has one publication in flight. Every wait has a timeout.
@@ -185,6 +193,13 @@ class Pipeline:
         self._next = 0  # stream index of the next group to dispatch
         self._chunks: dict[int, _Chunk] = {}  # by start index: in flight or done, not trained
         self._idle = list(range(len(self.generators)))
+        self._redo: list[_Chunk] = []  # lost with their generator, to dispatch first
+        self._lost: set[int] = set()
+        self.failures = {
+            "pipeline/generator_failures": 0.0,
+            "pipeline/generators_lost": 0.0,
+            "pipeline/chunks_redone": 0.0,
+        }
         self._orders: dict[int, np.ndarray] = {}
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[int] = []  # stream indices trained, in order (for checks)
@@ -217,7 +232,7 @@ class Pipeline:
                 or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
             ):
                 self.save(cfg.checkpoint_dir)
-        self.publisher.wait()
+        self._wait_publication()
         return self.history
 
     def _admissible_end(self) -> int:
@@ -225,7 +240,17 @@ class Pipeline:
         cfg = self.config
         return (cfg.max_staleness + self.version + 1) * cfg.groups_per_step
 
+    def _submit(self, chunk: _Chunk, g: int) -> None:
+        questions = [self.question_at(i) for i in range(chunk.start, chunk.start + chunk.size)]
+        chunk.generator, chunk.dispatched_version = g, self.version
+        chunk.ref = self.generators[g].generate.remote(questions)
+        chunk.dispatched_at = time.perf_counter()
+
     def _dispatch(self) -> None:
+        while self._idle and self._redo:  # admitted already: versions only move forward
+            chunk = self._redo.pop(0)
+            self._submit(chunk, self._idle.pop(0))
+            self.failures["pipeline/chunks_redone"] += 1
         limit = self._admissible_end()
         while self._idle:
             while self._next in self._chunks:  # restored from a checkpoint: already generated
@@ -234,11 +259,8 @@ class Pipeline:
                 return
             step_end = (self._next // self.config.groups_per_step + 1) * self.config.groups_per_step
             size = min(self.chunk, limit - self._next, step_end - self._next)  # never straddles
-            g = self._idle.pop(0)
-            questions = [self.question_at(i) for i in range(self._next, self._next + size)]
-            chunk = _Chunk(self._next, size, g, dispatched_version=self.version)
-            chunk.ref = self.generators[g].generate.remote(questions)
-            chunk.dispatched_at = time.perf_counter()
+            chunk = _Chunk(self._next, size, -1)
+            self._submit(chunk, self._idle.pop(0))
             self._chunks[chunk.start] = chunk
             self._next += size
 
@@ -259,6 +281,11 @@ class Pipeline:
             running = {
                 c.ref: c for c in self._chunks.values() if c.batch is None and c.ref is not None
             }
+            if not running and self._redo:
+                raise RuntimeError(
+                    f"every generator is gone ({len(self._lost)} lost); step {self.step} "
+                    f"still needs groups [{first}, {end})"
+                )
             if not running:
                 raise RuntimeError(
                     f"step {self.step} needs groups [{first}, {end}) but nothing is generating "
@@ -274,9 +301,76 @@ class Pipeline:
                 )
             for ref in ready:
                 chunk = running[ref]
-                chunk.batch = ray.get(ref)
                 chunk.ref = None
+                try:
+                    chunk.batch = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    g, chunk.generator = chunk.generator, -1
+                    self._redo.append(chunk)
+                    self._recover(g)
+                    continue
                 self._idle.append(chunk.generator)
+
+    # ----------------------------------------------------------------- failures
+    def _recover(self, g: int) -> None:
+        """Generator ``g`` died: once Ray has restarted it, bring it to the current weights
+        and back to the idle pool; if it is gone for good, drop it."""
+        import ray
+
+        from ray_credit.pipeline.weights import WeightSyncError
+
+        self.failures["pipeline/generator_failures"] += 1
+        try:
+            self._await_restart(g)
+            self.publisher.resync(g)
+        except (ray.exceptions.RayActorError, WeightSyncError):
+            self._lost.add(g)
+            self.publisher.drop(g)
+            self.failures["pipeline/generators_lost"] += 1
+            if len(self._lost) == len(self.generators):
+                raise RuntimeError(
+                    f"all {len(self.generators)} generators died; see their logs (OOM? a "
+                    "crash?) and give them max_restarts"
+                ) from None
+            return
+        self._idle.append(g)
+
+    def _await_restart(self, g: int) -> None:
+        """Return once generator ``g`` answers (Ray restarted it and its model loaded);
+        raise ``ActorDiedError`` if it is gone for good."""
+        import ray
+
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"generator{g} did not come back within {self.config.timeout_s:.0f}s"
+                )
+            try:
+                ray.get(self.generators[g].get_policy_version.remote(), timeout=left)
+                return
+            except ray.exceptions.ActorUnavailableError:  # restarting: not reachable yet
+                time.sleep(0.5)
+
+    def _wait_publication(self) -> None:
+        """Wait for the weight publication in flight; a generator that died meanwhile is
+        recovered (through its failed call when one is running, else here)."""
+        from ray_credit.pipeline.weights import WeightSyncError
+
+        try:
+            self.publisher.wait()
+        except WeightSyncError as err:
+            undead = {i for i, _ in err.failed} - set(err.died)
+            strangers = {i for i in err.died if i >= len(self.generators)}
+            if undead or strangers:
+                raise
+            busy = {c.generator for c in self._chunks.values() if c.ref is not None}
+            for g in err.died:
+                if g not in busy and g not in self._lost:
+                    if g in self._idle:
+                        self._idle.remove(g)
+                    self._recover(g)
 
     def _train_step(self, waited: float, started: float) -> dict[str, float]:
         cfg = self.config
@@ -300,9 +394,11 @@ class Pipeline:
         self.step += 1
         self.trained_groups.extend(range(first, end))
         t0 = time.perf_counter()
+        self._wait_publication()
         self.publisher.publish(self.version, self.learner.weights())
         metrics["time/publish_submit_s"] = time.perf_counter() - t0
         metrics.update(self.publisher.metrics)
+        metrics.update(self.failures)
         self._dispatch()  # the new version admits more groups: start them before returning
         step_s = time.perf_counter() - started
         metrics.update(
@@ -349,7 +445,7 @@ class Pipeline:
         if tmp.exists():
             _rmtree(tmp)
         (tmp / _BUFFER_DIR).mkdir(parents=True)
-        self.publisher.wait()
+        self._wait_publication()
         self.learner.save(str(tmp / "learner"))
         done = [c for c in self._chunks.values() if c.batch is not None]
         for c in done:

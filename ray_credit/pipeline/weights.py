@@ -36,7 +36,15 @@ __all__ = ["WeightPublisher", "WeightSyncError"]
 
 
 class WeightSyncError(RuntimeError):
-    """A weight publication failed or timed out on at least one target."""
+    """A weight publication failed or timed out on at least one target.
+
+    ``failed`` lists ``(target index, reason)``; ``died`` the indices whose actor died
+    (a restarted one can be brought up to date with :meth:`WeightPublisher.resync`)."""
+
+    def __init__(self, message: str, failed=(), died=()):
+        super().__init__(message)
+        self.failed = list(failed)
+        self.died = list(died)
 
 
 class WeightPublisher:
@@ -59,9 +67,15 @@ class WeightPublisher:
             raise ValueError(f"{len(self.names)} names for {len(self.targets)} targets")
         self.timeout_s = timeout_s
         self.version: int | None = None
-        self._pending: list[Any] = []
+        self.active = [True] * len(self.targets)
+        self._weights: Any = None  # the last publication's ObjectRef (for resync)
+        self._pending: list[tuple[int, Any]] = []
         self._started = 0.0
-        self.metrics: dict[str, float] = {"sync/publications": 0.0, "sync/seconds": 0.0}
+        self.metrics: dict[str, float] = {
+            "sync/publications": 0.0,
+            "sync/seconds": 0.0,
+            "sync/resyncs": 0.0,
+        }
 
     def publish(self, version: int, weights: Any) -> None:
         """Send ``weights`` (a state dict or an ObjectRef to one) as ``version``.
@@ -77,8 +91,12 @@ class WeightPublisher:
             )
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         self._started = time.perf_counter()
-        self._pending = [t.update_weights.remote(version, ref) for t in self.targets]
-        self.version = version
+        self._pending = [
+            (i, t.update_weights.remote(version, ref))
+            for i, t in enumerate(self.targets)
+            if self.active[i]
+        ]
+        self.version, self._weights = version, ref
         self.metrics["sync/publications"] += 1
 
     def wait(self) -> float:
@@ -88,24 +106,56 @@ class WeightPublisher:
         if not self._pending:
             return 0.0
         pending, self._pending = self._pending, []
-        ready, late = ray.wait(pending, num_returns=len(pending), timeout=self.timeout_s)
-        failed = []
-        for ref, name in zip(pending, self.names, strict=True):
+        refs = [ref for _, ref in pending]
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        failed, died = [], []
+        for i, ref in pending:
             if ref in late:
-                failed.append(f"{name}: no answer within {self.timeout_s:.0f}s")
+                failed.append((i, f"no answer within {self.timeout_s:.0f}s"))
                 continue
             try:
                 ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                failed.append((i, f"the actor died: {type(err).__name__}"))
+                died.append(i)
             except Exception as err:  # noqa: BLE001 - reported with the target's name
-                failed.append(f"{name}: {type(err).__name__}: {err}")
+                failed.append((i, f"{type(err).__name__}: {err}"))
         if failed:
             for ref in late:
                 ray.cancel(ref)
             raise WeightSyncError(
                 f"publishing weights version {self.version} failed on {len(failed)} of "
-                f"{len(pending)} targets: " + "; ".join(failed)
+                f"{len(pending)} targets: "
+                + "; ".join(f"{self.names[i]}: {why}" for i, why in failed),
+                failed=failed,
+                died=died,
             )
         seconds = time.perf_counter() - self._started
         self.metrics["sync/seconds"] += seconds
         self.metrics["sync/last_seconds"] = seconds
         return seconds
+
+    def resync(self, index: int) -> None:
+        """Send the last published weights to target ``index`` (an actor Ray restarted, back
+        on its base weights) and wait for it; raises :class:`WeightSyncError` on failure.
+        Nothing to send before the first publication: the base weights are version 0."""
+        import ray
+
+        if self.version is None:
+            return
+        self._pending = [(i, ref) for i, ref in self._pending if i != index]
+        ref = self.targets[index].update_weights.remote(self.version, self._weights)
+        try:
+            ray.get(ref, timeout=self.timeout_s)
+        except Exception as err:  # noqa: BLE001 - reported with the target's name
+            raise WeightSyncError(
+                f"re-sending weights version {self.version} to {self.names[index]} failed: "
+                f"{type(err).__name__}: {err}",
+                failed=[(index, str(err))],
+            ) from err
+        self.metrics["sync/resyncs"] += 1
+
+    def drop(self, index: int) -> None:
+        """Stop publishing to target ``index`` (its actor is gone for good)."""
+        self.active[index] = False
+        self._pending = [(i, ref) for i, ref in self._pending if i != index]

@@ -108,3 +108,59 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path)
             resume_from=tmp_path / "ckpt",
         )
     learner.shutdown()
+
+
+def test_generators_dying_mid_run_lose_no_group(ray_cluster, world, retriever):
+    """One generator is killed and restarted by Ray, the other killed for good: the run
+    finishes, every group trained once, the restarted one back on the current weights."""
+    generators = [
+        make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25, max_restarts=1),
+        make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25),
+    ]
+    learner = LearnerGroup("tiny-random", LearnerConfig(lr=1e-3))
+
+    def kill(metrics):
+        if metrics["pipeline/step"] == 1:
+            ray_cluster.kill(generators[0], no_restart=False)  # Ray restarts it
+        elif metrics["pipeline/step"] == 2:
+            ray_cluster.kill(generators[1])  # gone
+
+    config = PipelineConfig(steps=4, groups_per_step=4, chunk_groups=2, max_staleness=1)
+    pipeline = Pipeline(
+        generators, learner, world.questions, [estimator_stage("grpo")], config, on_step=kill
+    )
+    history = pipeline.run()
+    assert pipeline.step == 4 and pipeline.trained_groups == list(range(16))
+    last = history[-1]
+    assert last["pipeline/generators_lost"] == 1
+    assert last["pipeline/generator_failures"] == 2
+    assert last["sync/resyncs"] == 1  # the restarted generator got the current weights
+    assert ray_cluster.get(generators[0].get_policy_version.remote()) == 4
+    learner.shutdown()
+
+
+def test_generator_retries_a_retriever_that_died(ray_cluster, tmp_path):
+    from ray_credit.actors.generator import _Search
+
+    @ray_cluster.remote(max_restarts=1, num_cpus=0)
+    class DiesOnce:
+        def __init__(self, marker: str):
+            self.marker = marker
+
+        def search(self, queries, topk):
+            import os
+
+            if not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                os._exit(1)  # the process dies mid-call; Ray restarts it
+            return [
+                [{"id": q, "contents": q, "title": q, "text": q, "score": 1.0}] for q in queries
+            ]
+
+    actor = DiesOnce.remote(str(tmp_path / "died"))
+    search = _Search(actor, timeout_s=60, retries=2, backoff_s=0.1)
+    try:
+        assert search(["a", "b"], 1)[1][0]["id"] == "b"
+        assert search.retries == 1
+    finally:
+        ray_cluster.kill(actor)

@@ -103,7 +103,7 @@ def test_search_then_answer_layout(tiny):
     assert a["turn_contains_gold"] == [True, False]
     assert a["answer"] == "Ada Quill" and a["outcome_reward"] == 1.0
     assert [t["action"] for t in b["turns"]] == ["answer"] and b["outcome_reward"] == 1.0
-    assert gen._search.__self__.calls == [["Velmora founded"]]  # one call for the whole turn
+    assert gen._search.retriever.calls == [["Velmora founded"]]  # one call for the whole turn
 
     # Token layout of trajectory a: prompt | turn-0 sample | observation | turn-1 sample.
     ids, mask = np.array(a["input_ids"]), np.array(a["loss_mask"])
@@ -201,7 +201,7 @@ def test_tool_call_style(tiny):
     assert row["turns"][0]["query"] == "Velmora"
     assert row["turn_doc_ids"][0] == ["d-velmora", "d-tarsk"]  # one hit per query
     assert row["turns"][0]["observation"].startswith("\n\n<tool_response>")
-    assert gen._search.__self__.calls == [["Velmora", "Tarsk"]]
+    assert gen._search.retriever.calls == [["Velmora", "Tarsk"]]
 
 
 def test_response_prefix_is_prompt_and_parsed_with_turn_zero(tiny):
