@@ -380,16 +380,20 @@ class Pipeline:
             raise RuntimeError(f"step {self.step}: chunks do not tile groups [{first}, {end})")
         batches = [c.batch for c in chunks]
         batch = TrajectoryBatch.concat(batches)
+        tokens = float(batch.token_offsets[-1]) if "input_ids" in batch.column_names else 0.0
         metrics: dict[str, float] = _generation_metrics(batches)
         metrics.update(self._staleness(batch))
         for stage in self.stages:
             t0 = time.perf_counter()
             batch = stage(batch)
-            metrics[f"time/stage_{stage.__name__}_s"] = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            metrics[f"time/stage_{stage.__name__}_s"] = seconds
+            metrics[f"speed/stage_{stage.__name__}_tokens_per_s"] = tokens / max(seconds, 1e-9)
             metrics.update({k: v for k, v in batch.metrics.items() if not k.startswith("gen/")})
         t0 = time.perf_counter()
         metrics.update(self.learner.train(batch))
         metrics["time/train_s"] = time.perf_counter() - t0
+        metrics["speed/train_tokens_per_s"] = tokens / max(metrics["time/train_s"], 1e-9)
         self.version += 1
         self.step += 1
         self.trained_groups.extend(range(first, end))
@@ -410,6 +414,7 @@ class Pipeline:
                 "time/wait_generation_s": waited,
                 "time/step_s": step_s,
                 **_outcome_metrics(batch),
+                **_judge_agreement(batch),
             }
         )
         return metrics
@@ -562,6 +567,27 @@ def _outcome_metrics(batch: TrajectoryBatch) -> dict[str, float]:
         adv = batch.turn_values("turn_advantages")
         per_group = np.bincount(groups[owner], weights=np.abs(adv), minlength=n_groups)
         out["train/groups_zero_advantage"] = float((per_group < 1e-6).mean())
+    return out
+
+
+def _judge_agreement(batch: TrajectoryBatch) -> dict[str, float]:
+    """How often an LLM judge's verdict on the answer matches exact match: Search-P1's
+    outcome accuracy (>= 0.5 counts as correct), else CW-GRPO's correctness label on the
+    answer turn. Only judged trajectories count (``judge/agreement_n``); no judge, no keys."""
+    em = batch.traj_values("outcome_reward") >= 1.0
+    if "sp1_outcome_accuracy" in batch.column_names:
+        judged = batch.traj_valid("sp1_outcome_accuracy")
+        says = batch.traj_values("sp1_outcome_accuracy", null=0.0) >= 0.5
+        agree = (says == em)[judged]
+    elif "judge_correct" in batch.column_names:
+        judged = batch.turn_valid("judge_correct") & batch.is_last_turn
+        says = batch.turn_values("judge_correct", null=0.0) > 0
+        agree = (says == em[batch.turn_traj_index])[judged]
+    else:
+        return {}
+    out = {"judge/agreement_n": float(len(agree))}
+    if len(agree):
+        out["judge/agreement_em"] = float(agree.mean())
     return out
 
 
