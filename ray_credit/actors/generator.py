@@ -79,6 +79,7 @@ COUNTERS = (
     "retrieval_retries",
     "generated_tokens",
     "observation_tokens",
+    "weight_load_seconds",
 )
 """The additive ``gen/*`` counters of one ``generate`` call (summed across calls)."""
 
@@ -230,6 +231,7 @@ class Generator:
         self.name = name or uuid.uuid4().hex[:8]
         self.policy_version = 0
         self._calls = 0
+        self._load_seconds = 0.0  # loading weights since the last generate call
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, version: int, weights: Mapping[str, Any]) -> int:
@@ -244,7 +246,9 @@ class Generator:
                 f"weights version {version} is not newer than the generator's "
                 f"{self.policy_version}; publish increasing versions"
             )
+        start = time.perf_counter()
         self.sampler.load_weights(weights)
+        self._load_seconds += time.perf_counter() - start
         self.policy_version = int(version)
         return self.policy_version
 
@@ -270,6 +274,7 @@ class Generator:
         call = f"{self.name}.{self._calls}"
         self._calls += 1
         counts = dict.fromkeys(COUNTERS, 0.0)
+        counts["weight_load_seconds"], self._load_seconds = self._load_seconds, 0.0
         rollouts = self._start(questions, size, call)
         stats_before = _sampler_stats(self.sampler)
         stop, wrap, feedback = _STYLES[cfg.action_style]

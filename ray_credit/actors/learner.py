@@ -183,10 +183,11 @@ class Learner:
         self.model, self.tokenizer = pair
         self.model.eval()  # no dropout: the learner's logprobs are the sampler's
         self.world = world or DataParallel()
-        self.train_model = self.world.wrap(self.model)
         self.reference = None
-        if self.config.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if self.config.kl_coef > 0:  # copied before wrapping: the initial policy, whole
+            reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.reference = self.world.wrap_frozen(reference)
+        self.train_model = self.world.wrap(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=self.config.lr, betas=self.config.betas,
@@ -206,8 +207,11 @@ class Learner:
         return next(self.model.parameters()).device
 
     def get_weights(self) -> dict[str, Any]:
-        """The policy's full state dict as CPU tensors (what generators and scorers load)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """The policy's full state dict as CPU tensors (what generators and scorers load).
+
+        Under FSDP every rank must call it (the shards are gathered); rank 0 gets the
+        weights, the others an empty dict."""
+        return self.world.full_state_dict(self.model)
 
     def get_policy_version(self) -> int:
         return self.policy_version
@@ -297,13 +301,18 @@ class Learner:
         sums.update(ratio_mean=0.0, ratio_max=0.0, is_weight_mean=0.0, is_limited=0.0)
         token_count = 0.0
         micro = list(self._micro_batches(lengths[rows]))
-        for i, part in enumerate(micro):
+        count = self.world.equal_count(len(micro))
+        for i in range(count):
+            # FSDP: every rank runs as many forward/backward passes as the busiest one; the
+            # extra ones repeat a row with no weight (they only join the collectives)
+            dummy = i >= len(micro)
+            part = micro[0][:1] if dummy else micro[i]
             index = rows[part]
             width = int(lengths[index].max())
             sl = slice(0, width - 1)
             m = data["mask"][index, sl].to(self.device)
             w = weights[part, sl].to(self.device)
-            with self.world.no_sync(self.train_model) if i < len(micro) - 1 else _null():
+            with self.world.no_sync(self.train_model) if i < count - 1 else _null():
                 logits = self._logits(self.train_model, data, index, width)
                 logp = _token_logprobs(logits, data["input_ids"][index, 1:width].to(self.device))
                 old = data["proximal" if config.off_policy != "none" else "behavior"]
@@ -331,7 +340,11 @@ class Learner:
                     loss = loss + config.kl_coef * (kl * w).sum()
                 if config.entropy_coef:
                     loss = loss - config.entropy_coef * (entropy * w).sum()
-                (loss * self.world.size).backward()  # DDP averages gradients over ranks
+                if dummy:
+                    loss = loss * 0.0
+                (loss * self.world.size).backward()  # DDP / FSDP average gradients over ranks
+            if dummy:
+                continue
             with torch.no_grad():
                 sums["loss"] += float(loss)
                 sums["pg_loss"] += float((per_token * w).sum())
@@ -367,7 +380,8 @@ class Learner:
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP
         if not math.isfinite(norm):
             self.counters["learner/nonfinite_grad_steps"] += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -434,11 +448,15 @@ class Learner:
         import torch
 
         out = torch.zeros_like(data["behavior"])
+        micro = list(self._micro_batches(lengths[rows]))
         with torch.no_grad():
-            for part in self._micro_batches(lengths[rows]):
+            for i in range(self.world.equal_count(len(micro))):  # FSDP: as many as any rank
+                part = micro[i] if i < len(micro) else micro[0][:1]
                 index = torch.as_tensor(rows[part])
                 width = int(lengths[index].max())
                 logits = self._logits(model, data, index, width)
+                if i >= len(micro):
+                    continue
                 ids = data["input_ids"][index, 1:width].to(self.device)
                 out[index, : width - 1] = _token_logprobs(logits, ids).float().cpu()
         return out * data["mask"]
@@ -450,11 +468,18 @@ class Learner:
         import torch
 
         folder = Path(folder)
+        weights = self.world.full_state_dict(self.model)  # collective under FSDP
+        optimizer = self.world.optimizer_state(self.model, self.optimizer)
+        reference = (
+            self.world.full_state_dict(self.reference) if self.reference is not None else None
+        )
+        if self.world.rank != 0:
+            return folder
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder / "model", safe_serialization=True)
+        self.model.save_pretrained(folder / "model", state_dict=weights, safe_serialization=True)
         self.tokenizer.save_pretrained(folder / "model")
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "policy_version": self.policy_version,
             "optimizer_steps": self.optimizer_steps,
@@ -465,7 +490,7 @@ class Learner:
                 "torch": torch.get_rng_state(),
                 "python": random.getstate(),
             },
-            "reference": self.reference.state_dict() if self.reference is not None else None,
+            "reference": reference,
         }
         torch.save(state, folder / _STATE_FILE)
         return folder
@@ -493,7 +518,7 @@ class Learner:
                 f"{path} was written with a different learner config {mismatched} "
                 "(saved, current); resume with the same settings"
             )
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.world.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.policy_version = int(state["policy_version"])
         self.optimizer_steps = int(state["optimizer_steps"])
@@ -502,7 +527,7 @@ class Learner:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if self.reference is not None and state["reference"] is not None:
-            self.reference.load_state_dict(state["reference"])
+            self.world.load_state_dict(self.reference, state["reference"])
 
 
 def _token_logprobs(logits, targets):
@@ -528,8 +553,31 @@ class DataParallel:
     def wrap(self, model):
         return model
 
+    def wrap_frozen(self, model):
+        """The frozen reference model, placed like the policy (identity but under FSDP)."""
+        return model
+
     def no_sync(self, model):
         return _null()
+
+    def equal_count(self, count: int) -> int:
+        """How many micro-batch passes this rank runs (FSDP: the most any rank needs)."""
+        return count
+
+    def full_state_dict(self, model) -> dict[str, Any]:
+        """The whole state dict on CPU at rank 0 ({} elsewhere)."""
+        if self.rank != 0:
+            return {}
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def optimizer_state(self, model, optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, model, optimizer, state) -> None:
+        optimizer.load_state_dict(state)
+
+    def load_state_dict(self, model, state) -> None:
+        model.load_state_dict(state)
 
     def all_reduce_sum(self, values: Mapping[str, float]) -> dict[str, float]:
         return dict(values)
@@ -577,6 +625,74 @@ class TorchDistributed(DataParallel):
         t = torch.tensor([float(value)], dtype=torch.float64)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
         return float(t[0])
+
+
+class TorchFSDP(TorchDistributed):
+    """Fully sharded data parallelism (FSDP2 ``fully_shard``): each transformer block and
+    then the whole model are sharded over the ranks, so parameters, gradients and optimizer
+    state take 1/world of the memory each. Same update as DDP on the same data.
+
+    FSDP gathers a block's parameters on every forward, so every rank runs as many
+    micro-batch passes as the busiest one (:meth:`equal_count`); the publication and the
+    checkpoint gather the full state dict at rank 0 (every rank must take part)."""
+
+    def wrap(self, model):
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module)
+        fully_shard(model)
+        return model
+
+    def wrap_frozen(self, model):
+        return self.wrap(model)
+
+    def no_sync(self, model):
+        return _FSDPNoSync(model)
+
+    def equal_count(self, count: int) -> int:
+        return int(self.all_reduce_max(float(count)))
+
+    def _options(self, **kw):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, **kw)
+
+    def full_state_dict(self, model) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(model, options=self._options(cpu_offload=True))
+        return state if self.rank == 0 else {}
+
+    def optimizer_state(self, model, optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=self._options(cpu_offload=True))
+
+    def load_optimizer_state(self, model, optimizer, state) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=self._options())
+
+    def load_state_dict(self, model, state) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state, options=self._options())
+
+
+class _FSDPNoSync:
+    """Accumulate gradients locally (no reduce-scatter) until the last micro-batch."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
 
 
 def make_learner_actor(

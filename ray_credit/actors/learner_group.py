@@ -83,7 +83,7 @@ def _worker_loop(cfg: Mapping[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from ray_credit.actors.learner import Learner, TorchDistributed
+    from ray_credit.actors.learner import Learner, TorchDistributed, TorchFSDP
 
     context = ray.train.get_context()
     rank = context.get_world_rank()
@@ -91,7 +91,8 @@ def _worker_loop(cfg: Mapping[str, Any]) -> None:
     step = 0
     try:
         device = str(ray.train.torch.get_device())
-        learner = Learner(cfg["model"], cfg["config"], device=device, world=TorchDistributed())
+        world = TorchFSDP() if cfg.get("strategy") == "fsdp" else TorchDistributed()
+        learner = Learner(cfg["model"], cfg["config"], device=device, world=world)
         if cfg.get("resume_from"):
             learner.load_state(cfg["resume_from"])
     except Exception:
@@ -108,10 +109,12 @@ def _worker_loop(cfg: Mapping[str, Any]) -> None:
             if op == "train":
                 batch = ray.get(payload[0])
                 value = learner.train(batch)  # each rank trains on its share
-            elif op == "weights":
-                value = [ray.put(learner.get_weights())] if rank == 0 else None
-            elif op == "save":
-                value = str(learner.save(payload)) if rank == 0 else None
+            elif op == "weights":  # every rank: FSDP gathers the shards at rank 0
+                weights = learner.get_weights()
+                value = [ray.put(weights)] if rank == 0 else None
+            elif op == "save":  # every rank takes part, rank 0 writes
+                path = str(learner.save(payload))
+                value = path if rank == 0 else None
             elif op == "version":
                 value = learner.policy_version
             else:
@@ -129,8 +132,11 @@ class LearnerGroup:
     Args:
         model: what :class:`~ray_credit.actors.learner.Learner` takes (a name or folder).
         config: :class:`LearnerConfig`.
-        num_workers: 1 = one actor; more = a ``TorchTrainer`` with DDP.
+        num_workers: 1 = one actor; more = a ``TorchTrainer`` with ``strategy``.
         use_gpu: one GPU per worker (NCCL); else CPU (gloo).
+        strategy: ``"ddp"`` (a full replica per worker) or ``"fsdp"`` (parameters,
+            gradients and optimizer state sharded over the workers, FSDP2); the same
+            update either way. Only with ``num_workers > 1``.
         resources_per_worker: e.g. ``{"CPU": 2}`` or custom resources to pin learner nodes.
         resume_from: a folder written by :meth:`save`: the learner restarts from it.
         timeout_s: the longest any command may take.
@@ -147,11 +153,14 @@ class LearnerGroup:
         resume_from: str | None = None,
         timeout_s: float = 1800.0,
         name: str = "learner",
+        strategy: str = "ddp",
     ) -> None:
         import ray
 
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
         self.config = config or LearnerConfig()
         self.num_workers = num_workers
         self.timeout_s = timeout_s
@@ -190,6 +199,7 @@ class LearnerGroup:
                 "config": self.config,
                 "mailbox": self._mailbox,
                 "resume_from": resume_from,
+                "strategy": strategy,
             },
             scaling_config=ScalingConfig(
                 num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources

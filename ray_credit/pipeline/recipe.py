@@ -134,6 +134,9 @@ class ResourcesConfig:
     """Learner replicas (>1: Ray Train DDP)."""
     learner_cpus: float = 2.0
     """CPUs per learner replica."""
+    learner_strategy: str = "ddp"
+    """With learner_workers > 1: 'ddp' (a full replica per worker) or 'fsdp' (parameters,
+    gradients and optimizer state sharded over the workers)."""
     use_gpu: bool = False
     """Train on GPUs (one per learner replica)."""
     retriever_cpus: float = 0.25
@@ -153,6 +156,12 @@ class ResourcesConfig:
     service_resource: str | None = None
     """A custom resource that the retriever and each judge actor ask one unit of
     (cluster.yaml: 'service'; None: none)."""
+
+    def __post_init__(self) -> None:
+        if self.learner_strategy not in ("ddp", "fsdp"):
+            raise ValueError(
+                f"learner_strategy must be 'ddp' or 'fsdp', got {self.learner_strategy!r}"
+            )
 
     def custom(self, role: str) -> dict[str, float]:
         """The custom resources of an actor of ``role`` ('generator', 'learner',
@@ -329,6 +338,7 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
         },
         resume_from=None if cfg.resume is None else f"{cfg.resume}/learner",
         timeout_s=cfg.pipeline.timeout_s,
+        strategy=res.learner_strategy,
     )
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:

@@ -1,5 +1,5 @@
-"""The learner as one Ray actor and as a two-worker Ray Train (gloo DDP) group: the same
-update on the same data."""
+"""The learner as one Ray actor and as a two-worker Ray Train group (gloo DDP, and FSDP2
+sharding): the same update on the same data."""
 
 from __future__ import annotations
 
@@ -25,20 +25,32 @@ def batch():
     return rollouts.with_turn_columns({"turn_advantages": advantages})
 
 
-def test_two_ddp_workers_make_the_same_update_as_one(ray_cluster, batch, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_workers_make_the_same_update_as_one(ray_cluster, batch, tmp_path, strategy):
     ref = ray_cluster.put(batch)
     single = LearnerGroup("tiny-random", CONFIG, timeout_s=300)
     one = single.train(ref)
     one_weights = ray_cluster.get(single.weights())
     single.shutdown()
 
-    group = LearnerGroup("tiny-random", CONFIG, num_workers=2, timeout_s=300)
+    group = LearnerGroup("tiny-random", CONFIG, num_workers=2, timeout_s=300, strategy=strategy)
     try:
         two = group.train(ref)
         two_weights = ray_cluster.get(group.weights())
         assert group.policy_version == 1
         saved = group.save(str(tmp_path / "ckpt"))
         assert (tmp_path / "ckpt" / "learner_state.pt").is_file() and saved.endswith("ckpt")
+        if strategy == "fsdp":  # the gathered checkpoint reloads into a sharded group
+            group.shutdown()
+            group = LearnerGroup(
+                "tiny-random", CONFIG, num_workers=2, timeout_s=300, strategy=strategy,
+                resume_from=saved,
+            )  # fmt: skip
+            assert group.policy_version == 1
+            reloaded = ray_cluster.get(group.weights())
+            assert all(torch.equal(reloaded[k], two_weights[k]) for k in two_weights)
+            group.train(ref)  # the restored optimizer state steps on
+            assert group.policy_version == 2
         with pytest.raises(
             LearnerWorkerError,
             match=r"rank \d failed during 'train'(.|\n)*cannot give each of 2 rank",
