@@ -252,6 +252,31 @@ class Generator:
         self.policy_version = int(version)
         return self.policy_version
 
+    def join_weight_group(
+        self,
+        address: str,
+        rank: int,
+        world_size: int,
+        backend: str,
+        manifest: list,
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Join the learner's broadcast group as ``rank`` (see
+        :mod:`ray_credit.pipeline.collective`); blocks until every member has joined."""
+        from ray_credit.pipeline.collective import WeightGroup
+
+        self._weight_group = WeightGroup(backend, world_size, timeout_s)
+        self._weight_group.join(address, rank, manifest)
+
+    def receive_weights(self, version: int) -> int:
+        """Receive the weights the learner broadcasts, then load them as ``version``
+        (checked like :meth:`update_weights`)."""
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+        weights = group.broadcast(None, device="cuda" if group.backend == "nccl" else "cpu")
+        return self.update_weights(version, weights)
+
     def get_policy_version(self) -> int:
         return self.policy_version
 

@@ -213,6 +213,40 @@ class Learner:
         weights, the others an empty dict."""
         return self.world.full_state_dict(self.model)
 
+    # --------------------------------------------------- collective weight sync
+    def open_weight_group(
+        self, world_size: int, backend: str, timeout_s: float = 600.0
+    ) -> str | None:
+        """Rank 0: open a broadcast group for itself and ``world_size - 1`` generators
+        (:mod:`ray_credit.pipeline.collective`); returns its ``host:port`` (None elsewhere)."""
+        from ray_credit.pipeline.collective import WeightGroup
+
+        if self.world.rank != 0:
+            return None
+        import ray
+
+        self._weight_group = WeightGroup(backend, world_size, timeout_s)
+        return self._weight_group.open(ray.util.get_node_ip_address())
+
+    def weight_manifest(self) -> list:
+        """Names, shapes and dtypes of the published weights, in broadcast order."""
+        from ray_credit.pipeline.collective import manifest_of
+
+        return manifest_of(self.model.state_dict())  # global shapes, also under FSDP
+
+    def join_weight_group(self, address: str, manifest: list) -> None:
+        """Rank 0 joins as the sender (blocks until every generator has joined)."""
+        if self.world.rank == 0:
+            self._weight_group.join(address, 0, manifest)
+
+    def broadcast_weights(self) -> int:
+        """Send the current weights to the group (every rank calls it: FSDP gathers them
+        first); returns the policy version sent."""
+        weights = self.get_weights()
+        if self.world.rank == 0:
+            self._weight_group.broadcast(weights, device=str(self.device))
+        return self.policy_version
+
     def get_policy_version(self) -> int:
         return self.policy_version
 

@@ -117,6 +117,14 @@ def _worker_loop(cfg: Mapping[str, Any]) -> None:
                 value = path if rank == 0 else None
             elif op == "version":
                 value = learner.policy_version
+            elif op == "open_weight_group":
+                value = learner.open_weight_group(*payload)
+            elif op == "weight_manifest":
+                value = learner.weight_manifest() if rank == 0 else None
+            elif op == "join_weight_group":
+                value = learner.join_weight_group(*payload)
+            elif op == "broadcast":  # every rank: FSDP gathers, rank 0 sends
+                value = learner.broadcast_weights()
             else:
                 raise ValueError(f"unknown learner command {op!r}")
         except Exception:
@@ -231,6 +239,54 @@ class LearnerGroup:
         if self._actor is not None:
             return str(self._get(self._actor.save.remote(folder), "save"))
         return self._command("save", str(folder))[0].value
+
+    # ------------------------------------------------ collective weight sync
+    def open_weight_group(self, world_size: int, backend: str) -> tuple[str, list]:
+        """Open the learner's side of a broadcast group (rank 0 sends); returns the
+        group's address and the weights' manifest (see ``ray_credit.pipeline.collective``)."""
+        if self._actor is not None:
+            address = self._get(
+                self._actor.open_weight_group.remote(world_size, backend, self.timeout_s),
+                "open_weight_group",
+            )
+            return address, self._get(self._actor.weight_manifest.remote(), "weight_manifest")
+        address = self._command("open_weight_group", (world_size, backend, self.timeout_s))
+        manifest = self._command("weight_manifest", None)
+        return address[0].value, manifest[0].value
+
+    def join_weight_group(self, address: str, manifest: list) -> Any:
+        """Join the group; returns an ObjectRef (joining waits for every member)."""
+        if self._actor is not None:
+            return self._actor.join_weight_group.remote(address, manifest)
+        return self._post("join_weight_group", (address, manifest))
+
+    def broadcast_weights(self) -> Any:
+        """Broadcast the current weights to the group; returns an ObjectRef."""
+        if self._actor is not None:
+            return self._actor.broadcast_weights.remote()
+        return self._post("broadcast", None)
+
+    @staticmethod
+    def check(value: Any) -> Any:
+        """The value of a ref from :meth:`join_weight_group` / :meth:`broadcast_weights`;
+        raises :class:`LearnerWorkerError` when a replica reported an error."""
+        if isinstance(value, list) and value and isinstance(value[0], _Reply):
+            errors = [r for r in value if r.error]
+            if errors:
+                raise LearnerWorkerError(
+                    f"learner rank {errors[0].rank} failed:\n{errors[0].error}"
+                )
+            return value[0].value
+        return value
+
+    def _post(self, op: str, payload: Any) -> Any:
+        """Send a command to every replica without waiting; returns the replies' ref."""
+        if self._fit_error is not None or not self._thread.is_alive():
+            raise LearnerWorkerError(f"the learner group has stopped: {self._fit_error!r}")
+        step = self._step
+        self._get(self._mailbox.command.remote(step, op, payload), op)
+        self._step += 1
+        return self._mailbox.wait_replies.remote(step)
 
     @property
     def policy_version(self) -> int:

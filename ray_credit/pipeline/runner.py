@@ -82,6 +82,9 @@ class PipelineConfig:
     """Save every this many steps into ``checkpoint_dir`` (0: only at the end)."""
     checkpoint_dir: str | None = None
     """Where checkpoints go (None: no checkpoints)."""
+    weight_sync: str = "object_store"
+    """How weights reach the generators: 'object_store' (everywhere; survives generator
+    restarts), 'nccl' (a broadcast between GPUs) or 'gloo' (the same broadcast on CPUs)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups_per_step"):
@@ -100,6 +103,10 @@ class PipelineConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.weight_sync not in ("object_store", "nccl", "gloo"):
+            raise ValueError(
+                f"weight_sync must be 'object_store', 'nccl' or 'gloo', got {self.weight_sync!r}"
+            )
 
 
 def actor_stage(method: Any, *, name: str | None = None, timeout_s: float = 1800.0) -> Callable:
@@ -169,7 +176,7 @@ class Pipeline:
         resume_from: str | os.PathLike | None = None,
         on_step: Callable[[dict[str, float]], None] | None = None,
     ):
-        from ray_credit.pipeline.weights import WeightPublisher
+        from ray_credit.pipeline.weights import CollectivePublisher, WeightPublisher
 
         if not generators:
             raise ValueError("Pipeline needs at least one generator actor")
@@ -187,7 +194,18 @@ class Pipeline:
         names = [f"generator{i}" for i in range(len(self.generators))] + [
             f"target{i}" for i in range(len(weight_targets))
         ]
-        self.publisher = WeightPublisher(targets, timeout_s=cfg.timeout_s, names=names)
+        if cfg.weight_sync != "object_store" and weight_targets:
+            raise ValueError(
+                f"weight_sync={cfg.weight_sync!r} broadcasts to generators only; the weight "
+                "targets (an info-gain scorer) load through the object store: use "
+                "weight_sync='object_store' with them"
+            )
+        if cfg.weight_sync == "object_store":
+            self.publisher = WeightPublisher(targets, timeout_s=cfg.timeout_s, names=names)
+        else:
+            self.publisher = CollectivePublisher(
+                targets, learner, backend=cfg.weight_sync, timeout_s=cfg.timeout_s, names=names
+            )
         self.step = 0
         self.version = int(learner.policy_version)
         self._next = 0  # stream index of the next group to dispatch
@@ -206,7 +224,7 @@ class Pipeline:
         if resume_from is not None:
             self._restore(Path(resume_from))
         if self.version > 0:  # resumed: generators start from the base weights
-            self.publisher.publish(self.version, learner.weights())
+            self._publish()
 
     # ----------------------------------------------------------------- data stream
     def question_at(self, index: int) -> Mapping[str, Any]:
@@ -335,6 +353,10 @@ class Pipeline:
             return
         self._idle.append(g)
 
+    def _publish(self) -> None:
+        sends_itself = self.publisher.sends_itself
+        self.publisher.publish(self.version, None if sends_itself else self.learner.weights())
+
     def _await_restart(self, g: int) -> None:
         """Return once generator ``g`` answers (Ray restarted it and its model loaded);
         raise ``ActorDiedError`` if it is gone for good."""
@@ -399,7 +421,7 @@ class Pipeline:
         self.trained_groups.extend(range(first, end))
         t0 = time.perf_counter()
         self._wait_publication()
-        self.publisher.publish(self.version, self.learner.weights())
+        self._publish()
         metrics["time/publish_submit_s"] = time.perf_counter() - t0
         metrics.update(self.publisher.metrics)
         metrics.update(self.failures)

@@ -19,11 +19,11 @@ Guarantees:
   ``timeout_s`` and raises :class:`WeightSyncError` naming the targets that failed or did
   not answer, instead of hanging.
 
-GPU clusters: the object-store path moves weights through host memory. An NCCL broadcast
-straight between GPUs needs the learner and the vLLM workers in one process group;
-vLLM's documented way is a worker extension that joins a ``StatelessProcessGroup``, which
-this library's vLLM backend does not yet wire (it loads weights through
-``collective_rpc`` from the object store).
+GPU clusters: the object-store path moves weights through host memory.
+:class:`CollectivePublisher` broadcasts them instead, in a process group of the learner
+and the generators (NCCL between GPUs, gloo on CPUs; see :mod:`.collective`). The vLLM
+backend still loads through the object store (``collective_rpc``); joining vLLM's workers
+to the group needs a worker extension with its ``StatelessProcessGroup``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["WeightPublisher", "WeightSyncError"]
+__all__ = ["CollectivePublisher", "WeightPublisher", "WeightSyncError"]
 
 
 class WeightSyncError(RuntimeError):
@@ -55,6 +55,9 @@ class WeightPublisher:
         timeout_s: how long one publication may take on every target together.
         names: a label per target for errors and metrics (default ``target<i>``).
     """
+
+    sends_itself = False
+    """True when the publisher moves the learner's weights itself (no ``weights`` arg)."""
 
     def __init__(self, targets: Sequence[Any], *, timeout_s: float = 300.0, names=None):
         if timeout_s <= 0:
@@ -159,3 +162,86 @@ class WeightPublisher:
         """Stop publishing to target ``index`` (its actor is gone for good)."""
         self.active[index] = False
         self._pending = [(i, ref) for i, ref in self._pending if i != index]
+
+
+class CollectivePublisher(WeightPublisher):
+    """Publish by broadcast: the learner (rank 0) and every target (ranks 1..n) in one
+    process group (``backend`` ``"nccl"`` or ``"gloo"``, see :mod:`.collective`).
+
+    ``publish(version)`` asks every target to receive and the learner to send; the
+    learner's own weights never go through the object store. The group is fixed at
+    construction: a target that dies cannot be replaced (:meth:`resync` and :meth:`drop`
+    raise), so use :class:`WeightPublisher` where generators must survive restarts.
+
+    Args:
+        targets: actors with ``join_weight_group`` and ``receive_weights`` (generators).
+        learner: a :class:`~ray_credit.actors.learner_group.LearnerGroup`.
+    """
+
+    sends_itself = True
+
+    def __init__(self, targets, learner, *, backend: str, timeout_s: float = 300.0, names=None):
+        import ray
+
+        super().__init__(targets, timeout_s=timeout_s, names=names)
+        self.learner = learner
+        self._learner_ref: Any = None
+        world = len(self.targets) + 1
+        address, manifest = learner.open_weight_group(world, backend)
+        refs = [learner.join_weight_group(address, manifest)] + [
+            t.join_weight_group.remote(address, i + 1, world, backend, manifest, timeout_s)
+            for i, t in enumerate(self.targets)
+        ]
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if late:
+            raise WeightSyncError(
+                f"{len(late)} of {world} members did not join the {backend} weight group at "
+                f"{address} within {timeout_s:.0f}s (firewall between nodes? GPUs for nccl?)"
+            )
+        learner.check(ray.get(refs[0]))
+        ray.get(refs[1:])
+        self.backend, self.address = backend, address
+
+    def publish(self, version: int, weights: Any = None) -> None:
+        """Broadcast the learner's current weights as ``version`` (``weights`` unused)."""
+        self.wait()
+        if self.version is not None and version <= self.version:
+            raise ValueError(
+                f"version {version} is not newer than the last published {self.version}"
+            )
+        self._started = time.perf_counter()
+        self._pending = [
+            (i, t.receive_weights.remote(version))
+            for i, t in enumerate(self.targets)
+            if self.active[i]
+        ]
+        self._learner_ref = self.learner.broadcast_weights()
+        self.version = version
+        self.metrics["sync/publications"] += 1
+
+    def wait(self) -> float:
+        import ray
+
+        ref, self._learner_ref = self._learner_ref, None
+        if ref is not None:
+            ready, _ = ray.wait([ref], timeout=self.timeout_s)
+            try:
+                if not ready:
+                    raise TimeoutError(f"no answer within {self.timeout_s:.0f}s")
+                self.learner.check(ray.get(ref))
+            except Exception as err:  # noqa: BLE001 - reported with its side
+                self._pending = []
+                raise WeightSyncError(
+                    f"broadcasting weights version {self.version} failed on the learner: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+        return super().wait()
+
+    def resync(self, index: int) -> None:
+        raise WeightSyncError(
+            f"{self.names[index]} died; a {self.backend} weight group cannot take a restarted "
+            "member back. Resume from the last checkpoint, or use the object-store weight "
+            "sync (pipeline.weight_sync='object_store'), which survives generator restarts"
+        )
+
+    drop = resync

@@ -164,3 +164,37 @@ def test_generator_retries_a_retriever_that_died(ray_cluster, tmp_path):
         assert search.retries == 1
     finally:
         ray_cluster.kill(actor)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_broadcast_weight_sync_over_gloo(ray_cluster, world, retriever, workers):
+    """weight_sync='gloo' (the NCCL path's code on CPUs): the learner broadcasts in a
+    process group of its own with the generators, which end on exactly its weights."""
+    generators = [
+        make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25) for _ in range(2)
+    ]
+    learner = LearnerGroup(
+        "tiny-random", LearnerConfig(lr=1e-3), num_workers=workers, strategy="fsdp"
+    )
+    config = PipelineConfig(steps=2, groups_per_step=4, chunk_groups=2, weight_sync="gloo")
+    pipeline = Pipeline(generators, learner, world.questions, [estimator_stage("grpo")], config)
+    assert type(pipeline.publisher).__name__ == "CollectivePublisher"
+    history = pipeline.run()
+    assert pipeline.trained_groups == list(range(8))
+    assert history[-1]["sync/publications"] == 2
+    assert ray_cluster.get([g.get_policy_version.remote() for g in generators]) == [2, 2]
+    expected = ray_cluster.get(learner.weights())
+    for generator in generators:
+        got = ray_cluster.get(
+            generator.__ray_call__.remote(
+                lambda self: {k: v.clone() for k, v in self.sampler.model.state_dict().items()}
+            )
+        )
+        assert all(torch_equal(got[k], expected[k]) for k in expected)
+    learner.shutdown()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
