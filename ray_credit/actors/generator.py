@@ -528,11 +528,20 @@ def _fit(sample: SampledTurn, room: int) -> SampledTurn:
 class _Search:
     """``search(queries, topk)`` for a plain retriever or a Ray actor handle; ``retries``
     counts the retried calls (a retriever actor that died and is being restarted by Ray,
-    a ``RemoteRetriever``'s own retries)."""
+    a ``RemoteRetriever``'s own retries). A dead retriever actor is retried, with backoff
+    up to ``max_backoff_s``, until ``restart_s`` have passed (a restart reloads the index)."""
 
-    def __init__(self, retriever: Any, timeout_s: float, retries: int = 4, backoff_s: float = 1.0):
+    def __init__(
+        self,
+        retriever: Any,
+        timeout_s: float,
+        *,
+        restart_s: float = 600.0,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 10.0,
+    ):
         self.retriever, self.timeout_s = retriever, timeout_s
-        self.max_retries, self.backoff_s = retries, backoff_s
+        self.restart_s, self.backoff_s, self.max_backoff_s = restart_s, backoff_s, max_backoff_s
         self._own_retries = 0
         self._actor = False
         if "ray" in sys.modules:
@@ -557,7 +566,9 @@ class _Search:
             return self.retriever.search(queries, topk)
         import ray
 
-        for attempt in range(self.max_retries + 1):
+        deadline = time.monotonic() + self.restart_s
+        attempt = 0
+        while True:
             ref = self.retriever.search.remote(queries, topk)
             try:
                 return ray.get(ref, timeout=self.timeout_s)
@@ -568,14 +579,15 @@ class _Search:
                 ) from err
             except ray.exceptions.RayActorError as err:
                 # the retriever died; Ray restarts it (max_restarts) and the call is retried
-                if attempt == self.max_retries:
+                if time.monotonic() >= deadline:
                     raise RuntimeError(
-                        f"the retriever actor failed {attempt + 1} times in a row ({err}); "
-                        "check its logs (OOM? a crash?) or give it more max_restarts"
+                        f"the retriever actor kept failing for {self.restart_s:.0f}s "
+                        f"({attempt + 1} attempts; last: {err}); check its logs (OOM? a "
+                        "crash?) or give it more max_restarts"
                     ) from err
                 self._own_retries += 1
-                time.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+                time.sleep(min(self.backoff_s * 2**attempt, self.max_backoff_s))
+                attempt += 1
 
 
 def _sampler_stats(sampler: Sampler) -> dict[str, float]:

@@ -360,8 +360,9 @@ class Learner:
                 if config.off_policy != "none":
                     is_weight, limited = self._importance_weight(data, index, sl, m)
                     per_token = per_token * is_weight
-                    sums["is_weight_mean"] += float((is_weight * m).sum())
-                    sums["is_limited"] += float((limited * m).sum())
+                    if not dummy:
+                        sums["is_weight_mean"] += float((is_weight * m).sum())
+                        sums["is_limited"] += float((limited * m).sum())
                 entropy = entropy_from_logits(
                     logits.float() if config.entropy_coef else logits.detach().float()
                 )
@@ -650,15 +651,24 @@ class TorchDistributed(DataParallel):
 
         keys = sorted(values)
         t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        t = t.to(self._reduce_device())
         self._dist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
 
     def all_reduce_max(self, value: float) -> float:
         import torch
 
-        t = torch.tensor([float(value)], dtype=torch.float64)
+        t = torch.tensor([float(value)], dtype=torch.float64).to(self._reduce_device())
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
         return float(t[0])
+
+    def _reduce_device(self):
+        """Where small reductions run: NCCL (Ray Train on GPUs) reduces CUDA tensors only."""
+        import torch
+
+        if self._dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 class TorchFSDP(TorchDistributed):

@@ -69,7 +69,9 @@ class WeightGroup:
             host, port = address.rsplit(":", 1)
             self.store = dist.TCPStore(host, int(port), self.world_size, False, self.timeout)
         if self.backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, self.world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout  # as torch's own group helper sets it
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, self.world_size, options)
         else:
             self.pg = dist.ProcessGroupGloo(self.store, rank, self.world_size, self.timeout)
         self.rank, self.manifest = rank, list(manifest)

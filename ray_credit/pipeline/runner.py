@@ -339,9 +339,12 @@ class Pipeline:
 
         self.failures["pipeline/generator_failures"] += 1
         try:
-            self._await_restart(g)
-            self.publisher.resync(g)
-        except (ray.exceptions.RayActorError, WeightSyncError):
+            version = self._await_restart(g)
+            published = self.publisher.version
+            if published is not None and version < published:  # back on older weights
+                self.publisher.resync(g)
+        except (ray.exceptions.RayActorError, WeightSyncError, TimeoutError):
+            ray.kill(self.generators[g], no_restart=True)  # never half-alive in the pool
             self._lost.add(g)
             self.publisher.drop(g)
             self.failures["pipeline/generators_lost"] += 1
@@ -357,9 +360,10 @@ class Pipeline:
         sends_itself = self.publisher.sends_itself
         self.publisher.publish(self.version, None if sends_itself else self.learner.weights())
 
-    def _await_restart(self, g: int) -> None:
-        """Return once generator ``g`` answers (Ray restarted it and its model loaded);
-        raise ``ActorDiedError`` if it is gone for good."""
+    def _await_restart(self, g: int) -> int:
+        """Generator ``g``'s policy version once it answers (Ray restarted it and its model
+        loaded, or it never died: a transient error); ``ActorDiedError`` if it is gone for
+        good, ``TimeoutError`` if it does not answer within ``timeout_s``."""
         import ray
 
         deadline = time.monotonic() + self.config.timeout_s
@@ -370,10 +374,11 @@ class Pipeline:
                     f"generator{g} did not come back within {self.config.timeout_s:.0f}s"
                 )
             try:
-                ray.get(self.generators[g].get_policy_version.remote(), timeout=left)
-                return
+                return ray.get(self.generators[g].get_policy_version.remote(), timeout=left)
             except ray.exceptions.ActorUnavailableError:  # restarting: not reachable yet
                 time.sleep(0.5)
+            except ray.exceptions.GetTimeoutError as err:
+                raise TimeoutError(f"generator{g} did not answer: {err}") from err
 
     def _wait_publication(self) -> None:
         """Wait for the weight publication in flight; a generator that died meanwhile is
@@ -385,7 +390,7 @@ class Pipeline:
         except WeightSyncError as err:
             undead = {i for i, _ in err.failed} - set(err.died)
             strangers = {i for i in err.died if i >= len(self.generators)}
-            if undead or strangers:
+            if not err.died or undead or strangers:  # the learner's side, or not a death
                 raise
             busy = {c.generator for c in self._chunks.values() if c.ref is not None}
             for g in err.died:

@@ -158,7 +158,7 @@ def test_generator_retries_a_retriever_that_died(ray_cluster, tmp_path):
             ]
 
     actor = DiesOnce.remote(str(tmp_path / "died"))
-    search = _Search(actor, timeout_s=60, retries=2, backoff_s=0.1)
+    search = _Search(actor, timeout_s=60, restart_s=60, backoff_s=0.1)
     try:
         assert search(["a", "b"], 1)[1][0]["id"] == "b"
         assert search.retries == 1

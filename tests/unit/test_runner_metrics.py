@@ -1,4 +1,4 @@
-"""The pipeline's per-step metrics computed from a batch (no Ray)."""
+"""The pipeline's per-step metrics and failure bookkeeping, computed without Ray."""
 
 from __future__ import annotations
 
@@ -49,3 +49,39 @@ def test_outcome_metrics_group_make_up_and_first_gold_turn():
     assert m["train/groups_all_correct"] == 0.0
     assert m["train/gold_retrieved"] == 0.5 and m["train/near_miss"] == 0.25
     assert m["train/first_gold_turn"] == pytest.approx(0.5)  # turns 1 and 0
+
+
+class _FailingPublisher:
+    def __init__(self, error):
+        self.error = error
+
+    def wait(self):
+        raise self.error
+
+
+def _bare_pipeline(publisher):
+    from ray_credit.pipeline.runner import Pipeline
+
+    pipeline = object.__new__(Pipeline)  # the failure bookkeeping only, no Ray
+    pipeline.publisher, pipeline.generators, pipeline._chunks = publisher, [0, 1], {}
+    pipeline._lost, pipeline._idle = set(), [0, 1]
+    recovered = []
+    pipeline._recover = recovered.append
+    return pipeline, recovered
+
+
+def test_a_failed_publication_on_the_learner_side_is_never_swallowed():
+    from ray_credit.pipeline.weights import WeightSyncError
+
+    learner_side = WeightSyncError("broadcasting failed on the learner")  # no target named
+    pipeline, recovered = _bare_pipeline(_FailingPublisher(learner_side))
+    with pytest.raises(WeightSyncError, match="on the learner"):
+        pipeline._wait_publication()
+    refused = WeightSyncError("bad weights", failed=[(1, "ValueError: shape")])  # not a death
+    pipeline, recovered = _bare_pipeline(_FailingPublisher(refused))
+    with pytest.raises(WeightSyncError, match="bad weights"):
+        pipeline._wait_publication()
+    died = WeightSyncError("generator1 died", failed=[(1, "died")], died=[1])
+    pipeline, recovered = _bare_pipeline(_FailingPublisher(died))
+    pipeline._wait_publication()  # an idle generator that died is recovered here
+    assert recovered == [1] and pipeline._idle == [0]
