@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -171,7 +171,7 @@ class BatchValidationError(ValueError):
     """A batch violates the schema; the message names the row, the column and the fix."""
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise BatchValidationError(msg)
 
 
@@ -853,10 +853,11 @@ def _cast_known_columns(table: pa.Table) -> pa.Table:
         if spec is not None and not table.schema.field(name).type.equals(spec.type):
             try:
                 table = _set_column(table, name, table.column(name).cast(spec.type))
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                _fail(
-                    f"column {name!r} of type {table.schema.field(name).type} cannot be cast to {spec.type}: {exc}"
-                )
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                raise BatchValidationError(
+                    f"column {name!r} of type {table.schema.field(name).type} cannot be cast "
+                    f"to {spec.type}: {exc}"
+                ) from exc
     return table
 
 
