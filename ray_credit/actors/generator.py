@@ -232,6 +232,7 @@ class Generator:
         self.policy_version = 0
         self._calls = 0
         self._load_seconds = 0.0  # loading weights since the last generate call
+        self._weight_group = None  # set by join_weight_group (broadcast weight sync)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, version: int, weights: Mapping[str, Any]) -> int:
@@ -271,7 +272,7 @@ class Generator:
     def receive_weights(self, version: int) -> int:
         """Receive the weights the learner broadcasts, then load them as ``version``
         (checked like :meth:`update_weights`)."""
-        group = getattr(self, "_weight_group", None)
+        group = self._weight_group
         if group is None:
             raise RuntimeError("receive_weights before join_weight_group")
         weights = group.broadcast(None, device="cuda" if group.backend == "nccl" else "cpu")

@@ -200,6 +200,7 @@ class Learner:
         self.optimizer_steps = 0
         self.counters = {"learner/nonfinite_grad_steps": 0, "learner/batches": 0}
         self._rng = np.random.default_rng(self.config.seed)
+        self._weight_group = None  # set by open_weight_group (broadcast weight sync)
 
     # ---------------------------------------------------------------------- weights
     @property
@@ -334,13 +335,9 @@ class Learner:
         sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "clipfrac", "approx_kl")}
         sums.update(ratio_mean=0.0, ratio_max=0.0, is_weight_mean=0.0, is_limited=0.0)
         token_count = 0.0
-        micro = list(self._micro_batches(lengths[rows]))
-        count = self.world.equal_count(len(micro))
-        for i in range(count):
-            # FSDP: every rank runs as many forward/backward passes as the busiest one; the
-            # extra ones repeat a row with no weight (they only join the collectives)
-            dummy = i >= len(micro)
-            part = micro[0][:1] if dummy else micro[i]
+        micro = self._passes(lengths[rows])
+        count = len(micro)
+        for i, (part, dummy) in enumerate(micro):
             index = rows[part]
             width = int(lengths[index].max())
             sl = slice(0, width - 1)
@@ -458,6 +455,15 @@ class Learner:
             weight = torch.where(limited, torch.zeros_like(weight), weight)
         return weight, limited.float()
 
+    def _passes(self, lengths) -> list[tuple[np.ndarray, bool]]:
+        """The micro-batches as ``(row positions, dummy)``. Under FSDP every rank runs as
+        many forward (and backward) passes as the busiest one, since each pass gathers
+        parameters from all ranks: the extra ones repeat a row and are marked dummy, to be
+        run for the collectives and their results left out."""
+        micro = list(self._micro_batches(lengths))
+        extra = self.world.equal_count(len(micro)) - len(micro)
+        return [(part, False) for part in micro] + [(micro[0][:1], True)] * extra
+
     def _micro_batches(self, lengths):
         """Groups of row positions (sorted by length) of at most micro_batch_tokens padded."""
         order = np.argsort(-lengths.numpy(), kind="stable")
@@ -483,14 +489,12 @@ class Learner:
         import torch
 
         out = torch.zeros_like(data["behavior"])
-        micro = list(self._micro_batches(lengths[rows]))
         with torch.no_grad():
-            for i in range(self.world.equal_count(len(micro))):  # FSDP: as many as any rank
-                part = micro[i] if i < len(micro) else micro[0][:1]
+            for part, dummy in self._passes(lengths[rows]):
                 index = torch.as_tensor(rows[part])
                 width = int(lengths[index].max())
                 logits = self._logits(model, data, index, width)
-                if i >= len(micro):
+                if dummy:
                     continue
                 ids = data["input_ids"][index, 1:width].to(self.device)
                 out[index, : width - 1] = _token_logprobs(logits, ids).float().cpu()

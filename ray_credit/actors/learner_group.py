@@ -134,6 +134,12 @@ def _worker_loop(cfg: Mapping[str, Any]) -> None:
         step += 1
 
 
+def check_strategy(strategy: str) -> None:
+    """Raise unless ``strategy`` is one :class:`LearnerGroup` knows."""
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"learner strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+
+
 class LearnerGroup:
     """One learner, or ``num_workers`` data-parallel replicas under Ray Train.
 
@@ -167,8 +173,7 @@ class LearnerGroup:
 
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if strategy not in ("ddp", "fsdp"):
-            raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+        check_strategy(strategy)
         self.config = config or LearnerConfig()
         self.num_workers = num_workers
         self.timeout_s = timeout_s

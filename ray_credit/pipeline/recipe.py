@@ -158,10 +158,9 @@ class ResourcesConfig:
     (cluster.yaml: 'service'; None: none)."""
 
     def __post_init__(self) -> None:
-        if self.learner_strategy not in ("ddp", "fsdp"):
-            raise ValueError(
-                f"learner_strategy must be 'ddp' or 'fsdp', got {self.learner_strategy!r}"
-            )
+        from ray_credit.actors.learner_group import check_strategy
+
+        check_strategy(self.learner_strategy)  # at parse time, not after the actors start
 
     def custom(self, role: str) -> dict[str, float]:
         """The custom resources of an actor of ``role`` ('generator', 'learner',
@@ -421,17 +420,16 @@ def _warn_if_short(ray: Any, cfg: RunConfig) -> None:
     from collections import Counter
 
     res = cfg.resources
+    actors = [  # (how many, CPUs, GPUs, role) of each kind
+        (res.num_generators, res.generator_cpus, res.generator_gpus, "generator"),
+        (int(cfg.eval.enabled), res.eval_cpus, res.generator_gpus, "generator"),
+        (res.learner_workers, res.learner_cpus, float(res.use_gpu), "learner"),
+        (0 if cfg.retriever_url else 1, res.retriever_cpus, 0.0, "service"),
+    ]
     wanted: Counter[str] = Counter()
-    generators = res.num_generators + (1 if cfg.eval.enabled else 0)
-    wanted["CPU"] += res.num_generators * res.generator_cpus + res.retriever_cpus
-    wanted["CPU"] += res.eval_cpus if cfg.eval.enabled else 0.0
-    wanted["CPU"] += res.learner_workers * res.learner_cpus
-    wanted["GPU"] += generators * res.generator_gpus + (res.learner_workers if res.use_gpu else 0)
-    for role, count in (("generator", generators), ("learner", res.learner_workers)):
-        for name, amount in res.custom(role).items():
+    for count, cpus, gpus, role in actors:
+        for name, amount in {"CPU": cpus, "GPU": gpus, **res.custom(role)}.items():
             wanted[name] += count * amount
-    for name, amount in res.custom("service").items():
-        wanted[name] += amount
     have = ray.cluster_resources()
     short = {k: v for k, v in wanted.items() if v > have.get(k, 0.0) + 1e-9}
     if short:

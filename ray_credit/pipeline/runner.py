@@ -299,12 +299,7 @@ class Pipeline:
             running = {
                 c.ref: c for c in self._chunks.values() if c.batch is None and c.ref is not None
             }
-            if not running and self._redo:
-                raise RuntimeError(
-                    f"every generator is gone ({len(self._lost)} lost); step {self.step} "
-                    f"still needs groups [{first}, {end})"
-                )
-            if not running:
+            if not running:  # (all generators lost already raised in _recover)
                 raise RuntimeError(
                     f"step {self.step} needs groups [{first}, {end}) but nothing is generating "
                     f"them (next={self._next}, admissible below {self._admissible_end()})"

@@ -85,22 +85,27 @@ class WeightPublisher:
 
         Waits for the previous publication first, so at most one is in flight.
         """
-        import ray
-
         self.wait()
         if self.version is not None and version <= self.version:
             raise ValueError(
                 f"version {version} is not newer than the last published {self.version}"
             )
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         self._started = time.perf_counter()
+        self._send(version, weights)
+        self.version = version
+        self.metrics["sync/publications"] += 1
+
+    def _send(self, version: int, weights: Any) -> None:
+        """Start the transfer of one publication: one ``update_weights`` per live target."""
+        import ray
+
+        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         self._pending = [
             (i, t.update_weights.remote(version, ref))
             for i, t in enumerate(self.targets)
             if self.active[i]
         ]
-        self.version, self._weights = version, ref
-        self.metrics["sync/publications"] += 1
+        self._weights = ref
 
     def wait(self) -> float:
         """Wait for the publication in flight; return its seconds (0 if none)."""
@@ -146,7 +151,7 @@ class WeightPublisher:
 
         if self.version is None:
             return
-        self._pending = [(i, ref) for i, ref in self._pending if i != index]
+        self._forget(index)
         ref = self.targets[index].update_weights.remote(self.version, self._weights)
         try:
             ray.get(ref, timeout=self.timeout_s)
@@ -161,6 +166,10 @@ class WeightPublisher:
     def drop(self, index: int) -> None:
         """Stop publishing to target ``index`` (its actor is gone for good)."""
         self.active[index] = False
+        self._forget(index)
+
+    def _forget(self, index: int) -> None:
+        """No longer wait for target ``index``'s part of the publication in flight."""
         self._pending = [(i, ref) for i, ref in self._pending if i != index]
 
 
@@ -204,20 +213,15 @@ class CollectivePublisher(WeightPublisher):
 
     def publish(self, version: int, weights: Any = None) -> None:
         """Broadcast the learner's current weights as ``version`` (``weights`` unused)."""
-        self.wait()
-        if self.version is not None and version <= self.version:
-            raise ValueError(
-                f"version {version} is not newer than the last published {self.version}"
-            )
-        self._started = time.perf_counter()
+        super().publish(version, weights)
+
+    def _send(self, version: int, weights: Any) -> None:
         self._pending = [
             (i, t.receive_weights.remote(version))
             for i, t in enumerate(self.targets)
             if self.active[i]
         ]
         self._learner_ref = self.learner.broadcast_weights()
-        self.version = version
-        self.metrics["sync/publications"] += 1
 
     def wait(self) -> float:
         import ray
