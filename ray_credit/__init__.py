@@ -13,6 +13,7 @@ from typing import Any
 
 from ray_credit.batch import COLUMNS, BatchValidationError, TrajectoryBatch
 from ray_credit.estimators import ESTIMATORS, Estimator, get_estimator, register_estimator
+from ray_credit.signals import SIGNALS, JudgedSignal, Signal, get_signal, register_signal
 
 # name -> module that defines it (imported on first access, PEP 562)
 _LAZY = {
@@ -32,11 +33,16 @@ _LAZY = {
 __all__ = [
     "COLUMNS",
     "ESTIMATORS",
+    "SIGNALS",
     "BatchValidationError",
     "Estimator",
+    "JudgedSignal",
+    "Signal",
     "TrajectoryBatch",
     "get_estimator",
+    "get_signal",
     "register_estimator",
+    "register_signal",
     *_LAZY,
 ]
 __version__ = "0.1.0"

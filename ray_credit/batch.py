@@ -32,6 +32,7 @@ __all__ = [
     "BatchValidationError",
     "TrajectoryBatch",
     "TURN_STRUCT",
+    "register_columns",
 ]
 
 TURN_STRUCT = pa.struct(
@@ -57,6 +58,8 @@ class ColumnSpec:
     align: str  # "traj" | "turn" | "token"
     doc: str
     required: bool = False
+    producer: str = ""
+    """Who writes the column, for the error a missing column raises."""
 
 
 # The schema. `align` says what a list column is aligned with: "turn" lists have one
@@ -95,6 +98,8 @@ COLUMNS: dict[str, ColumnSpec] = {
         pa.list_(pa.string()),
         "traj",
         "Search-P1 reference plan: the search steps that answer the question (made offline)",
+        producer="The question's reference_plan field (the reference_plan signal makes them; "
+        "the generator copies them into its rollouts).",
     ),
     # --- tokens: the learner's view -------------------------------------------------------
     "input_ids": ColumnSpec(
@@ -117,46 +122,24 @@ COLUMNS: dict[str, ColumnSpec] = {
         "turn",
         "corpus ids the turn's search returned, best first (null: the turn did not search)",
     ),
-    # --- signals added by stages ----------------------------------------------------------
+    # --- signals: turn_contains_gold comes with every rollout; the columns of the judged
+    # and scored signals are declared by their modules in ray_credit/signals/ and added to
+    # this table by register_columns when the package is imported.
     "turn_contains_gold": ColumnSpec(
-        pa.list_(pa.bool_()), "turn", "the turn's observation contains a gold answer"
-    ),
-    "judge_utility": ColumnSpec(
-        pa.list_(pa.int8()), "turn", "CW-GRPO retrieval utility u in {0,1}; null = judge failed"
-    ),
-    "judge_correct": ColumnSpec(
-        pa.list_(pa.int8()), "turn", "CW-GRPO reasoning correctness v in {0,1}; null = judge failed"
-    ),
-    "turn_info_gain": ColumnSpec(
-        pa.list_(pa.float32()), "turn", "information gain of the turn (IGPO/A2TGPO); null = none"
-    ),
-    "sp1_planner_score": ColumnSpec(
-        pa.float32(),
-        "traj",
-        "Search-P1 planner score in {0.2,0.6,1.0,1.2}; null = evaluator failed",
-    ),
-    "sp1_plan_steps": ColumnSpec(
-        pa.int32(), "traj", "Search-P1 n_plan: steps in the agent's own plan"
-    ),
-    "sp1_effective_steps_self": ColumnSpec(
-        pa.int32(), "traj", "Search-P1 n_exec_self: plan steps the agent executed"
-    ),
-    "sp1_effective_steps_ref": ColumnSpec(
-        pa.int32(), "traj", "Search-P1 n_covered: reference-plan steps covered"
-    ),
-    "sp1_ref_plan_steps": ColumnSpec(
-        pa.int32(), "traj", "Search-P1 |R_ref|: steps in the reference plan"
-    ),
-    "sp1_outcome_accuracy": ColumnSpec(pa.float32(), "traj", "Search-P1 r_acc in {0,0.5,1}"),
-    "sp1_outcome_reasoning": ColumnSpec(
-        pa.float32(), "traj", "Search-P1 r_reason in {0,0.5,0.8,1}"
+        pa.list_(pa.bool_()),
+        "turn",
+        "the turn's observation contains a gold answer",
+        producer="The generator fills it (or ray_credit.qa.turn_contains_gold).",
     ),
     # --- estimator outputs ----------------------------------------------------------------
     "turn_rewards": ColumnSpec(
         pa.list_(pa.float32()), "turn", "per-turn reward an estimator assigned (diagnostic)"
     ),
     "turn_advantages": ColumnSpec(
-        pa.list_(pa.float32()), "turn", "advantage of each turn (estimator output)"
+        pa.list_(pa.float32()),
+        "turn",
+        "advantage of each turn (estimator output)",
+        producer="Run an estimator first (ray_credit.estimators.get_estimator(name)).",
     ),
     "turn_clip_scale": ColumnSpec(
         pa.list_(pa.float32()), "turn", "per-turn clip-range scale (A2TGPO; 1 = unscaled)"
@@ -164,6 +147,37 @@ COLUMNS: dict[str, ColumnSpec] = {
 }
 REQUIRED = tuple(name for name, spec in COLUMNS.items() if spec.required)
 TOKEN_COLUMNS = tuple(name for name, spec in COLUMNS.items() if spec.align == "token")
+ROLLOUT_COLUMNS = (
+    *REQUIRED,
+    "answer",
+    "data_source",
+    "supporting_doc_ids",
+    "reference_plan",
+    *TOKEN_COLUMNS,
+    "turn_doc_ids",
+    "turn_contains_gold",
+)
+"""The columns of every batch a generator returns (question fields null when the dataset
+lacks them); everything else comes from signals and estimators."""
+
+
+def register_columns(specs: Mapping[str, ColumnSpec]) -> None:
+    """Add columns declared outside this module (a signal's) to :data:`COLUMNS`.
+
+    Registering the same spec twice is a no-op; a name that is already taken by a
+    different spec raises, so two signals can never disagree on a column's type."""
+    for name, spec in specs.items():
+        if spec.align not in ("traj", "turn"):
+            raise ValueError(f"column {name!r}: a signal writes 'traj' or 'turn' columns")
+        known = COLUMNS.get(name)
+        if known is not None and known != spec:
+            raise ValueError(
+                f"column {name!r} is already declared as {known.type} ({known.doc!r}); "
+                "give the new column another name"
+            )
+        COLUMNS[name] = spec
+
+
 _METRICS_KEY = b"ray_credit.metrics"
 
 
@@ -870,20 +884,6 @@ def _first_bad_record(values: list[Any], type_: pa.DataType) -> int | None:
     return None
 
 
-_PRODUCERS = {
-    "turn_contains_gold": "Add it with ray_credit.qa.turn_contains_gold (the generator fills it).",
-    "judge_utility": "The JudgePool stage fills it.",
-    "judge_correct": "The JudgePool stage fills it.",
-    "turn_info_gain": "The InfoGainScorer stage fills it.",
-    "turn_advantages": "Run an estimator first (ray_credit.estimators.get_estimator(name)).",
-}
-
-
 def _producer_hint(missing: list[str]) -> str:
-    hints = [_PRODUCERS[m] for m in missing if m in _PRODUCERS]
-    hints += (
-        ["The JudgePool stage fills the Search-P1 evaluator fields."]
-        if any(m.startswith("sp1_") for m in missing)
-        else []
-    )
+    hints = [COLUMNS[m].producer for m in missing if m in COLUMNS and COLUMNS[m].producer]
     return " ".join(dict.fromkeys(hints))

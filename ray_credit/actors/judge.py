@@ -1,301 +1,128 @@
-"""JudgePool: the judged signals of CW-GRPO and Search-P1, from a pool of judge workers.
+"""JudgePool: any judged signal (:mod:`ray_credit.signals`) from a pool of judge workers.
 
-:class:`JudgePool` fills
+``pool.judge(signal, batch)`` returns the batch with the signal's columns (null where not
+judged) and this call's ``judge/*`` counters in its metrics; for a question-level signal
+(reference plans) ``pool.judge(signal, questions)`` returns one ``{column: value}`` (or
+None) per question. The pool knows nothing of any method: the signal says what to judge,
+how to ask and how to read the reply (see :mod:`ray_credit.signals._base`); the pool
+schedules the work:
 
-* ``judge_utility`` / ``judge_correct`` (CW-GRPO's ``u`` and ``v``, int8 per turn, null =
-  not judged) with :meth:`JudgePool.annotate_cw_grpo`;
-* the Search-P1 evaluator fields ``sp1_*`` (per trajectory, null = not judged) with
-  :meth:`JudgePool.annotate_search_p1`;
-* Search-P1's offline reference plans with :meth:`JudgePool.make_reference_plans`.
+* **Backends.** ``"evidence"`` runs the signal's deterministic rule in this process (no
+  model, no actors). ``"hf"`` (a local model) and ``"openai"`` (any OpenAI-compatible
+  endpoint) answer our prompts (:mod:`ray_credit.actors.judge_backends`); an object with
+  ``complete(prompts, counts)`` is accepted too. ``guided`` constrains replies to the
+  signal's reply schema (``hf``: guided decoding, on by default, so even a small judge
+  answers in form; ``openai``: a ``json_schema`` response format, off by default).
+* **Chunks and concurrency.** Requests go out in chunks of ``batch_size``; at most
+  ``max_concurrency`` chunks are in flight across the pool (``num_actors`` Ray actors,
+  least loaded first; or a thread pool in this process when ``num_actors=0``).
+* **Timeouts and retries.** Each backend call has ``timeout_s`` (per HTTP request or per
+  generate) and the ``openai`` backend retries ``max_retries`` times itself. A judge
+  actor that dies is restarted by Ray (``max_restarts``) and its chunk is sent again, up
+  to ``max_retries`` times (``judge/actor_failures``, ``judge/retries``); then its
+  judgements are null (``judge/failed``). A call that outlives every timeout its backend
+  could honour is cancelled and its judgements are null (``judge/timeouts``).
+* **Nulls, counted.** A judgement is never a silent 0: every null is counted once under
+  its cause: ``judge/skipped`` (the signal left the unit out), ``judge/no_evidence`` (the
+  unit could not be asked: no supporting documents, no reference plan),
+  ``judge/unparseable``, ``judge/failed``, ``judge/timeouts``. ``judge/requests`` counts
+  the units judged or attempted, ``judge/calls`` the backend calls, ``judge/seconds`` the
+  wall time; signals that give a verdict on the final answer add ``judge/agreement_hits``
+  and ``judge/agreement_n`` (that verdict against exact match).
 
-Backends: ``"evidence"`` (deterministic, below), ``"hf"`` (a local model) and
-``"openai"`` (any OpenAI-compatible endpoint); the two LLM backends use our prompts in
-``ray_credit/prompts/judge/`` and strict JSON replies (see
-:mod:`ray_credit.actors.judge_backends`). An object with a ``complete(prompts, counts)``
-method is accepted as a backend too.
-
-**The evidence judge** needs ``supporting_doc_ids`` (the documents that support the gold
-answer, ``S``) and ``turn_doc_ids`` (what each search returned). For turn ``t``, with
-``seen`` the supporting documents returned before ``t``:
-
-* a ``search`` turn: ``u = 1`` iff it returned a supporting document not in ``seen``
-  (relevant and new); ``v = 1`` iff ``S`` was not yet all seen (it asks for something
-  still missing). So ``p = u * v = 1`` exactly when the turn advanced the evidence chain;
-* an ``answer`` turn: ``u = 1`` iff the answer exact-matches a gold answer; ``v = 1`` iff
-  the normalized answer is non-empty and contained in an earlier observation (the answer
-  is grounded in what was retrieved, whether or not it is right);
-* an ``invalid`` / ``truncated`` turn: ``u = v = 0``.
-
-Search-P1, per trajectory: the reference plan is one step per supporting document, and
-the evidence judge takes it as the agent's plan too (it cannot read a plan), so
-``sp1_plan_steps = sp1_ref_plan_steps = |S|`` and ``sp1_effective_steps_self =
-sp1_effective_steps_ref`` = the supporting documents returned by any search (at most
-``|S|``). ``sp1_planner_score``: 1.2 if all of ``S`` was found with exactly ``|S|``
-searches, 1.0 if all was found, 0.6 if some, 0.2 if none. ``sp1_outcome_accuracy``: 1
-for an exact match, 0.5 if the answer contains a gold answer, else 0.
-``sp1_outcome_reasoning``: 1.0 for an exact match on the full evidence chain, 0.8 for the
-full chain, 0.5 for part of it, 0 for none. Reference plans: the title (first line) of each
-supporting document, in hop order (needs ``corpus=``).
-
-A trajectory without supporting documents (null or empty) is not judged: null, counted
-in ``judge/no_evidence``. With ``skip_failed=True`` (default, as the official CW-GRPO code)
-trajectories with ``outcome_reward <= 0`` are not sent to the CW-GRPO judge: null, counted
-in ``judge/skipped`` (the paper's estimator gives them uniform weights and reads no
-judgement). Every null is counted once under its cause (``judge/skipped``,
-``judge/no_evidence``, ``judge/unparseable``, ``judge/failed``, ``judge/timeouts``);
-``judge/requests`` counts judgements asked for and ``judge/retries`` repeated calls.
-
-Work goes out in chunks of about ``batch_size`` judgements; at most ``max_concurrency``
-chunks are in flight across the pool (``ray.wait``; in process, a thread pool of that
-size). ``num_actors=0`` runs in this process; otherwise :class:`JudgeWorker` (a plain
-class) is wrapped with ``ray.remote`` here. A crashed actor raises Ray's error.
+In a pipeline, :meth:`JudgePool.stage` is the stage that fills a signal on each chunk as
+it is generated; it runs in a Ray task, which calls the pool's actors.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ray_credit.actors.judge_backends import (
-    HFBackend,
-    LLMJudge,
-    OpenAIBackend,
-    add,
-    check_openai_args,
-)
-from ray_credit.batch import COLUMNS, TrajectoryBatch
-from ray_credit.qa import contains_gold, em_check, extract_answer, normalize_answer, subem_check
+from ray_credit.actors.judge_backends import HFBackend, OpenAIBackend, check_openai_args
+from ray_credit.batch import TrajectoryBatch
+from ray_credit.signals import JudgedSignal, get_signal
+from ray_credit.signals._base import Request, add
 
-__all__ = ["BACKENDS", "EvidenceJudge", "JudgePool", "JudgeWorker"]
+__all__ = ["BACKENDS", "JudgePool", "JudgeWorker"]
 
 BACKENDS = ("evidence", "hf", "openai")
-SP1_COLUMNS = (
-    "sp1_planner_score",
-    "sp1_plan_steps",
-    "sp1_effective_steps_self",
-    "sp1_effective_steps_ref",
-    "sp1_ref_plan_steps",
-    "sp1_outcome_accuracy",
-    "sp1_outcome_reasoning",
-)
-
-
-class EvidenceJudge:
-    """Deterministic judgements from gold answers and supporting documents (module docstring).
-
-    Args:
-        corpus: documents ``{"id", "contents"}`` (or a mapping id -> contents), needed only
-            by :meth:`reference_plans`, which names each supporting document by its title.
-    """
-
-    required_columns = {
-        "cw_grpo": ("supporting_doc_ids", "turn_doc_ids"),
-        "search_p1": ("supporting_doc_ids", "turn_doc_ids"),
-    }
-    missing_hint = (
-        "the evidence judge works from supporting documents; this dataset has none, so use "
-        "an LLM judge instead: JudgePool(backend='hf', ...) or JudgePool(backend='openai', ...)"
-    )
-
-    def __init__(self, *, corpus: Iterable[Mapping[str, Any]] | Mapping[str, str] | None = None):
-        if corpus is None:
-            self.titles = None
-        elif isinstance(corpus, Mapping):
-            self.titles = {str(k): _title(v) for k, v in corpus.items()}
-        else:
-            self.titles = {str(d["id"]): _title(d["contents"]) for d in corpus}
-
-    def cw_grpo(self, batch: TrajectoryBatch, counts: dict[str, float]):
-        u = np.full(batch.num_turns, -1, dtype=np.int8)
-        v = np.full(batch.num_turns, -1, dtype=np.int8)
-        add(counts, "judge/requests", batch.num_turns)
-        for i, row in enumerate(_rows(batch)):
-            support = set(row["supporting_doc_ids"] or ())
-            at = int(batch.turn_offsets[i])
-            if not support:
-                add(counts, "judge/no_evidence", len(row["turns"]))
-                continue
-            seen: set[str] = set()
-            observations: list[str] = []
-            doc_ids = row["turn_doc_ids"] or [None] * len(row["turns"])
-            for t, turn in enumerate(row["turns"]):
-                returned = set(doc_ids[t] or ())
-                if turn["action"] == "search":
-                    missing = support - seen
-                    u[at + t], v[at + t] = bool(missing & returned), bool(missing)
-                elif turn["action"] == "answer":
-                    final = t == len(row["turns"]) - 1 and row["answer"] is not None
-                    answer = row["answer"] if final else extract_answer(turn["text"] or "")
-                    u[at + t] = em_check(answer, row["gold_answers"]) == 1.0
-                    v[at + t] = _grounded(answer, observations)
-                else:  # invalid / truncated: neither useful retrieval nor a useful action
-                    u[at + t] = v[at + t] = 0
-                seen |= returned & support
-                if turn["observation"]:
-                    observations.append(turn["observation"])
-        return u, v
-
-    def search_p1(self, batch: TrajectoryBatch, counts: dict[str, float]):
-        out: list[dict[str, float | int] | None] = []
-        add(counts, "judge/requests", len(batch))
-        for row in _rows(batch):
-            support = list(dict.fromkeys(row["supporting_doc_ids"] or ()))
-            if not support:
-                add(counts, "judge/no_evidence")
-                out.append(None)
-                continue
-            returned = {d for ids in row["turn_doc_ids"] or () for d in ids or ()}
-            found = len(set(support) & returned)
-            searches = sum(turn["action"] == "search" for turn in row["turns"])
-            complete = found == len(support)
-            exact = em_check(row["answer"], row["gold_answers"]) == 1.0
-            partial = subem_check(row["answer"], row["gold_answers"]) == 1.0
-            out.append(
-                {
-                    "sp1_planner_score": (1.2 if searches == found else 1.0)
-                    if complete
-                    else (0.6 if found else 0.2),
-                    "sp1_plan_steps": len(support),
-                    "sp1_effective_steps_self": found,
-                    "sp1_effective_steps_ref": found,
-                    "sp1_ref_plan_steps": len(support),
-                    "sp1_outcome_accuracy": 1.0 if exact else (0.5 if partial else 0.0),
-                    "sp1_outcome_reasoning": (1.0 if exact else 0.8)
-                    if complete
-                    else (0.5 if found else 0.0),
-                }
-            )
-        return out
-
-    def reference_plans(
-        self, questions: Sequence[Mapping[str, Any]], counts: dict[str, float]
-    ) -> list[list[str] | None]:
-        if self.titles is None:
-            raise ValueError(
-                "evidence reference plans name the supporting documents by title; pass the "
-                "corpus: JudgePool(backend='evidence', corpus=world.corpus)"
-            )
-        add(counts, "judge/requests", len(questions))
-        plans: list[list[str] | None] = []
-        for q in questions:
-            ids = q.get("supporting_doc_ids")
-            if not ids:
-                add(counts, "judge/no_evidence")
-                plans.append(None)
-                continue
-            unknown = [d for d in ids if str(d) not in self.titles]
-            if unknown:
-                raise ValueError(
-                    f"question {q.get('question', '')[:60]!r}: supporting_doc_ids {unknown} are "
-                    "not in the corpus given to the judge"
-                )
-            plans.append([self.titles[str(d)] for d in dict.fromkeys(ids)])
-        return plans
-
-
-def _title(contents: str) -> str:
-    return contents.split("\n", 1)[0].strip()
-
-
-def _rows(batch: TrajectoryBatch) -> list[dict[str, Any]]:
-    names = ["gold_answers", "turns", "supporting_doc_ids", "turn_doc_ids"]
-    rows = batch.table.select(names).to_pylist()
-    answers = batch.column("answer").to_pylist() if "answer" in batch else [None] * len(batch)
-    for row, answer in zip(rows, answers, strict=True):
-        row["answer"] = answer
-    return rows
-
-
-def _grounded(answer: str | None, observations: list[str]) -> bool:
-    if answer is None or not normalize_answer(answer):
-        return False
-    return any(contains_gold(obs, [answer]) for obs in observations)
-
-
-# ---------------------------------------------------------------------------- the worker
-_JUDGES = {"evidence": EvidenceJudge, "hf": LLMJudge, "openai": LLMJudge}
-
-
-def _judge_class(backend: Any) -> type:
-    if isinstance(backend, str):
-        if backend not in _JUDGES:
-            raise ValueError(
-                f"unknown judge backend {backend!r}; valid backends are {list(BACKENDS)} "
-                "(or an object with a complete(prompts, counts) method)"
-            )
-        return _JUDGES[backend]
-    return LLMJudge
+NULL_CAUSES = ("skipped", "no_evidence", "unparseable", "failed", "timeouts")
 
 
 class JudgeWorker:
-    """One judge: the class a pool actor runs (plain, usable without Ray).
-
-    Each method returns its judgements and the ``judge/*`` counters of that call.
-    """
+    """One judge: a completion backend behind ``complete`` (the class a pool actor runs;
+    plain, usable without Ray). Returns the replies (None: the call failed) and the
+    ``judge/*`` counters of the call."""
 
     def __init__(
         self,
-        backend: Any = "evidence",
+        backend: Any = "hf",
         *,
-        batch_size: int = 16,
         timeout_s: float = 60.0,
         max_retries: int = 3,
+        guided: bool = False,
         **backend_kwargs: Any,
     ) -> None:
-        cls = _judge_class(backend)
-        if cls is EvidenceJudge:
-            self.judge = EvidenceJudge(**backend_kwargs)
-        elif backend == "hf":
-            self.judge = LLMJudge(
-                HFBackend(timeout_s=timeout_s, **backend_kwargs), batch_size=batch_size
-            )
+        if backend == "hf":
+            self.backend = HFBackend(timeout_s=timeout_s, **backend_kwargs)
         elif backend == "openai":
-            completer = OpenAIBackend(
+            self.backend = OpenAIBackend(
                 timeout_s=timeout_s, max_retries=max_retries, **backend_kwargs
             )
-            self.judge = LLMJudge(completer, batch_size=batch_size)
         else:
-            self.judge = LLMJudge(backend, batch_size=batch_size)
+            if not callable(getattr(backend, "complete", None)):
+                raise TypeError(
+                    f"a judge backend is 'evidence', 'hf', 'openai' or an object with a "
+                    f"complete(prompts, counts) method; got {backend!r}"
+                )
+            self.backend = backend
+        self.guided = guided
 
-    def cw_grpo(self, batch: TrajectoryBatch) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    def complete(
+        self, prompts: list[str], schemas: list[Any]
+    ) -> tuple[list[str | None], dict[str, float]]:
         counts: dict[str, float] = {}
-        u, v = self.judge.cw_grpo(batch, counts)
-        return u, v, counts
+        if self.guided:
+            replies = self.backend.complete(prompts, counts, schemas)
+        else:
+            replies = self.backend.complete(prompts, counts)
+        if len(replies) != len(prompts):
+            raise RuntimeError(
+                f"judge backend returned {len(replies)} replies for {len(prompts)} prompts"
+            )
+        return list(replies), counts
 
-    def search_p1(self, batch: TrajectoryBatch) -> tuple[list, dict[str, float]]:
-        counts: dict[str, float] = {}
-        return self.judge.search_p1(batch, counts), counts
 
-    def reference_plans(self, questions: Sequence[Mapping[str, Any]]) -> tuple[list, dict]:
-        counts: dict[str, float] = {}
-        return self.judge.reference_plans(questions, counts), counts
-
-
-# ---------------------------------------------------------------------------- the pool
 class JudgePool:
     """Judge workers behind one object (see the module docstring).
 
     Args:
         backend: ``"evidence"``, ``"hf"``, ``"openai"``, or an object with
-            ``complete(prompts, counts) -> list[str | None]``.
-        num_actors: Ray actors to start (0: judge in this process).
+            ``complete(prompts, counts)`` (and ``schemas`` as third argument if guided).
+        num_actors: Ray actors to start for an LLM backend (0: judge in this process).
+            The evidence judge needs none.
         max_concurrency: chunks in flight at once across the pool.
-        batch_size: judgements per chunk (and per backend call).
-        timeout_s: per call: one HTTP request (openai), one generate (hf).
-        max_retries: retries of a failed call (openai).
-        skip_failed: do not judge CW-GRPO turns of trajectories with ``outcome_reward <= 0``.
-        num_cpus, num_gpus, resources: resources of each actor (``resources``: custom
+        batch_size: requests per chunk (one backend call).
+        timeout_s: per backend call: one HTTP request (openai), one generate (hf).
+        max_retries: retries of a failed HTTP request (openai) and of a chunk whose actor
+            died.
+        guided: constrain replies to the signal's reply schema (None: on for ``hf``, off
+            otherwise).
+        corpus: documents ``{"id", "contents"}`` (or a mapping id -> contents) for the
+            evidence rule of question-level signals (reference plans name documents).
+        num_cpus, num_gpus, resources, max_restarts: of each actor (``resources``: custom
             ones, e.g. ``{"service": 1}`` to land on a cluster's service nodes).
-        **backend_kwargs: for the backend: ``corpus`` (evidence); ``model``, ``device``,
-            ``dtype``, ``max_new_tokens`` (hf); ``base_url``, ``model``, ``api_key_env``,
-            ``backoff_s``, ``max_tokens``, ``extra_body`` (openai).
+        **backend_kwargs: ``model``, ``device``, ``dtype``, ``max_new_tokens`` (hf);
+            ``base_url``, ``model``, ``api_key_env``, ``backoff_s``, ``max_tokens``,
+            ``extra_body`` (openai).
     """
 
     def __init__(
@@ -307,29 +134,44 @@ class JudgePool:
         batch_size: int = 16,
         timeout_s: float = 60.0,
         max_retries: int = 3,
-        skip_failed: bool = True,
+        guided: bool | None = None,
+        corpus: Iterable[Mapping[str, Any]] | Mapping[str, str] | None = None,
         num_cpus: float = 1,
         num_gpus: float = 0,
         resources: dict[str, float] | None = None,
+        max_restarts: int = 3,
         **backend_kwargs: Any,
     ) -> None:
-        self.judge_class = _judge_class(backend)
-        if num_actors < 0 or max_concurrency < 1 or batch_size < 1:
+        if isinstance(backend, str) and backend not in BACKENDS:
             raise ValueError(
-                f"need num_actors >= 0, max_concurrency >= 1 and batch_size >= 1; got "
-                f"{num_actors}, {max_concurrency}, {batch_size}"
+                f"unknown judge backend {backend!r}; valid backends are {list(BACKENDS)} "
+                "(or an object with a complete(prompts, counts) method)"
+            )
+        if num_actors < 0 or max_concurrency < 1 or batch_size < 1 or max_retries < 0:
+            raise ValueError(
+                f"need num_actors >= 0, max_concurrency >= 1, batch_size >= 1 and "
+                f"max_retries >= 0; got {num_actors}, {max_concurrency}, {batch_size}, "
+                f"{max_retries}"
+            )
+        self.evidence = backend == "evidence"
+        self.backend_name = backend if isinstance(backend, str) else type(backend).__name__
+        if self.evidence and (num_actors or backend_kwargs):
+            raise ValueError(
+                "the evidence judge runs in process from the batch's own columns: it takes "
+                f"no actors and no backend settings (got num_actors={num_actors}, "
+                f"{sorted(backend_kwargs)})"
             )
         if backend == "openai":
             check_openai_args(**{"base_url": None, "model": None, **backend_kwargs})
-        self.batch_size, self.max_concurrency, self.skip_failed = (
-            batch_size,
-            max_concurrency,
-            skip_failed,
-        )
-        self._counts: dict[str, float] = {}
-        self._lock = threading.Lock()
-        args = dict(batch_size=batch_size, timeout_s=timeout_s, max_retries=max_retries)
+        self.batch_size, self.max_concurrency = batch_size, max_concurrency
+        self.timeout_s, self.max_retries = timeout_s, max_retries
+        self.documents = _titles(corpus)
         self._actors: list[Any] = []
+        self._worker: JudgeWorker | None = None
+        if self.evidence:
+            return
+        guided = backend == "hf" if guided is None else guided
+        args = dict(timeout_s=timeout_s, max_retries=max_retries, guided=guided)
         if num_actors == 0:
             self._worker = JudgeWorker(backend, **args, **backend_kwargs)
             return
@@ -339,164 +181,248 @@ class JudgePool:
             raise RuntimeError(
                 "JudgePool(num_actors > 0) needs a connected Ray cluster; call ray.init() first"
             )
-        per_actor = math.ceil(max_concurrency / num_actors)
         remote = ray.remote(JudgeWorker).options(
-            num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_concurrency=per_actor
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            resources=resources,
+            max_concurrency=math.ceil(max_concurrency / num_actors),
+            max_restarts=max_restarts,
         )
         self._actors = [remote.remote(backend, **args, **backend_kwargs) for _ in range(num_actors)]
 
     # ------------------------------------------------------------------ public API
-    def annotate_cw_grpo(self, batch_or_ref: Any) -> TrajectoryBatch:
-        """The batch with ``judge_utility`` and ``judge_correct`` (int8 per turn, null where
-        not judged) and this call's ``judge/*`` counters in its metrics."""
-        batch = self._batch(batch_or_ref, "cw_grpo")
-        rows = np.arange(len(batch))
+    def judge(self, signal: JudgedSignal | str, data: Any) -> Any:
+        """Fill ``signal`` on ``data``: a :class:`TrajectoryBatch` (or an ObjectRef to one),
+        giving a new batch; or, for a question-level signal, question mappings, giving one
+        ``{column: value}`` or None per question."""
+        signal = get_signal(signal) if isinstance(signal, str) else signal
+        if not isinstance(signal, JudgedSignal):
+            raise TypeError(f"a JudgePool judges JudgedSignal objects, got {signal!r}")
         counts: dict[str, float] = {}
-        if self.skip_failed:
-            judged = batch.traj_values("outcome_reward") > 0
-            add(counts, "judge/skipped", float(batch.turn_counts[~judged].sum()))
-            rows = rows[judged]
-        chunks = _chunks(rows, batch.turn_counts, self.batch_size)
-        results = self._map("cw_grpo", [batch.select(c) for c in chunks], counts)
-        u = np.full(batch.num_turns, -1, dtype=np.int8)
-        v = np.full(batch.num_turns, -1, dtype=np.int8)
-        offsets = batch.turn_offsets
-        for chunk, (cu, cv, _) in zip(chunks, results, strict=True):
-            at = np.concatenate([np.arange(offsets[r], offsets[r + 1]) for r in chunk])
-            u[at], v[at] = cu, cv
-        list_offsets = pa.array(offsets.astype(np.int32))
-        columns = {
-            name: pa.ListArray.from_arrays(list_offsets, pa.array(x, type=pa.int8(), mask=x < 0))
-            for name, x in (("judge_utility", u), ("judge_correct", v))
-        }
-        return batch.with_traj_columns(columns, metrics=self._record(counts))
-
-    def annotate_search_p1(self, batch_or_ref: Any) -> TrajectoryBatch:
-        """The batch with the Search-P1 evaluator fields ``sp1_*`` (null where not judged)."""
-        batch = self._batch(batch_or_ref, "search_p1")
-        counts: dict[str, float] = {}
-        chunks = _chunks(np.arange(len(batch)), np.ones(len(batch), np.int64), self.batch_size)
-        results = self._map("search_p1", [batch.select(c) for c in chunks], counts)
-        fields: list[dict | None] = [None] * len(batch)
-        for chunk, (values, _) in zip(chunks, results, strict=True):
-            for r, value in zip(chunk, values, strict=True):
-                fields[int(r)] = value
-        columns = {
-            name: pa.array([None if f is None else f[name] for f in fields], COLUMNS[name].type)
-            for name in SP1_COLUMNS
-        }
-        return batch.with_traj_columns(columns, metrics=self._record(counts))
-
-    def make_reference_plans(
-        self, questions: Sequence[Mapping[str, Any]]
-    ) -> list[list[str] | None]:
-        """Search-P1 reference plans, one list of steps per question (None: not made).
-
-        Questions are dicts with ``question`` and ``golden_answers`` (LLM backends) or
-        ``supporting_doc_ids`` (evidence). Add the result as the ``reference_plan`` column
-        (or to the questions, which the generator copies into its batches)."""
-        questions = list(questions)
-        counts: dict[str, float] = {}
-        chunks = [
-            questions[i : i + self.batch_size] for i in range(0, len(questions), self.batch_size)
-        ]
-        results = self._map("reference_plans", chunks, counts)
-        self._record(counts)
-        return [plan for plans, _ in results for plan in plans]
-
-    def metrics(self) -> dict[str, float]:
-        """Counters summed over every call since creation (``judge/*``)."""
-        with self._lock:
-            return dict(self._counts)
-
-    # ------------------------------------------------------------------ internals
-    def _batch(self, batch_or_ref: Any, task: str) -> TrajectoryBatch:
-        if not isinstance(batch_or_ref, TrajectoryBatch):
-            import ray
-
-            if not isinstance(batch_or_ref, ray.ObjectRef):
-                raise TypeError(
-                    f"expected a TrajectoryBatch or an ObjectRef to one, got {type(batch_or_ref).__name__}"
-                )
-            batch_or_ref = ray.get(batch_or_ref)
-        missing = [c for c in self.judge_class.required_columns[task] if c not in batch_or_ref]
+        start = time.perf_counter()
+        if signal.level == "question":
+            rows = [dict(q) for q in data]
+            values = self._judgements(signal, rows, None, np.arange(len(rows)), counts)
+            self._finish(counts, start)
+            return values
+        batch = _resolve(data)
+        needed = signal.requires("evidence" if self.evidence else "llm")
+        missing = [c for c in needed if c not in batch]
         if missing:
             raise ValueError(
-                f"the {task} judge needs column(s) {missing}, missing from the batch; "
-                f"{self.judge_class.missing_hint}"
+                f"the {signal.name} signal with the {self.backend_name} judge needs column(s) "
+                f"{missing}, missing from the batch. {_missing_hint(signal, self.evidence)}"
             )
-        return batch_or_ref
+        units = signal.units(batch, counts)
+        rows = batch.table.select(list(needed)).to_pylist()
+        values = self._judgements(signal, rows, batch, units, counts)
+        self._finish(counts, start)
+        return self._write(signal, batch, units, values, counts)
 
-    def _map(self, method: str, chunks: list[Any], counts: dict[str, float]) -> list[Any]:
-        """``worker.method(chunk)`` for every chunk, at most ``max_concurrency`` at once."""
-        start = time.perf_counter()
-        in_flight = peak = 0
-        if not self._actors:
-            guard = threading.Lock()
+    def stage(self, signal: JudgedSignal | str) -> _SignalStage:
+        """A pipeline stage filling ``signal`` on each chunk (it runs in a Ray task and
+        calls this pool's actors)."""
+        signal = get_signal(signal) if isinstance(signal, str) else signal
+        if self._worker is not None:
+            raise ValueError(
+                "a pipeline stage runs in a Ray task, away from this process: give the "
+                f"{self.backend_name} judge its actors (num_actors >= 1)"
+            )
+        return _SignalStage(self, signal)
 
-            def call(chunk):
-                nonlocal in_flight, peak
-                with guard:
-                    in_flight += 1
-                    peak = max(peak, in_flight)
-                try:
-                    return getattr(self._worker, method)(chunk)
-                finally:
-                    with guard:
-                        in_flight -= 1
-
-            with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-                results = list(pool.map(call, chunks))
+    # ------------------------------------------------------------------ internals
+    def _judgements(
+        self,
+        signal: JudgedSignal,
+        rows: list[dict[str, Any]],
+        batch: TrajectoryBatch | None,
+        units: np.ndarray,
+        counts: dict[str, float],
+    ) -> list[dict[str, Any] | None]:
+        """One ``{column: value}`` or None per unit, every None counted under its cause."""
+        add(counts, "judge/requests", float(len(units)))
+        if signal.level == "turn":
+            owner, turn = batch.turn_traj_index[units], batch.turn_position[units]
         else:
-            import ray
+            owner, turn = np.asarray(units), np.full(len(units), -1)
+        if self.evidence:
+            keep = np.unique(owner).tolist()
+            judged = signal.evidence([rows[r] for r in keep], self.documents)
+            per_row = dict(zip(keep, judged, strict=True))
+            values = [
+                per_row[r][t] if signal.level == "turn" else per_row[r]
+                for r, t in zip(owner.tolist(), turn.tolist(), strict=True)
+            ]
+            add(counts, "judge/no_evidence", float(sum(v is None for v in values)))
+            return values
+        requests = [
+            signal.request(rows[r], None if t < 0 else t)
+            for r, t in zip(owner.tolist(), turn.tolist(), strict=True)
+        ]
+        asked = [i for i, r in enumerate(requests) if r is not None]
+        add(counts, "judge/no_evidence", float(len(requests) - len(asked)))
+        replies = self._complete([requests[i] for i in asked], counts)
+        values: list[dict[str, Any] | None] = [None] * len(requests)
+        for i, reply in zip(asked, replies, strict=True):
+            if reply is None:
+                continue  # counted by the backend (failed / timeouts)
+            values[i] = signal.parse(reply, requests[i].context)
+            if values[i] is None:
+                add(counts, "judge/unparseable")
+        return values
 
-            results = [None] * len(chunks)
-            pending: dict[Any, tuple[int, int]] = {}  # ref -> (chunk, actor)
-            load = [0] * len(self._actors)
-            for i, chunk in enumerate(chunks):
-                while len(pending) >= self.max_concurrency:
-                    self._collect(ray, pending, load, results)
+    def _complete(self, requests: list[Request], counts: dict[str, float]) -> list[str | None]:
+        """Replies to ``requests`` in order, chunked and spread over the workers."""
+        chunks = [
+            requests[i : i + self.batch_size] for i in range(0, len(requests), self.batch_size)
+        ]
+        add(counts, "judge/calls", float(len(chunks)))
+        if self._worker is not None:
+            with ThreadPoolExecutor(max_workers=self.max_concurrency) as threads:
+                results = list(
+                    threads.map(
+                        lambda c: self._worker.complete(
+                            [r.prompt for r in c], [r.schema for r in c]
+                        ),
+                        chunks,
+                    )
+                )
+        else:
+            results = self._map_actors(chunks, counts)
+        replies: list[str | None] = []
+        for chunk_replies, chunk_counts in results:
+            replies.extend(chunk_replies)
+            for name, value in chunk_counts.items():
+                add(counts, name, value)
+        return replies
+
+    def _map_actors(self, chunks: list[list[Request]], counts: dict[str, float]) -> list:
+        """Every chunk on the least loaded actor, at most ``max_concurrency`` in flight; a
+        chunk whose actor died goes again (up to ``max_retries``), one that outlives its
+        deadline is cancelled; either way what cannot be had is null and counted."""
+        import ray
+
+        results: list[Any] = [None] * len(chunks)
+        queue = deque((i, 0) for i in range(len(chunks)))
+        pending: dict[Any, tuple[int, int, int, float]] = {}  # ref: chunk, try, actor, deadline
+        load = [0] * len(self._actors)
+        peak = 0
+        while queue or pending:
+            while queue and len(pending) < self.max_concurrency:
+                i, attempt = queue.popleft()
                 a = int(np.argmin(load))
-                pending[getattr(self._actors[a], method).remote(chunk)] = (i, a)
+                prompts = [r.prompt for r in chunks[i]]
+                ref = self._actors[a].complete.remote(prompts, [r.schema for r in chunks[i]])
+                pending[ref] = (i, attempt, a, time.monotonic() + self._call_deadline(len(prompts)))
                 load[a] += 1
                 peak = max(peak, len(pending))
-            while pending:
-                self._collect(ray, pending, load, results)
-        for result in results:
-            for name, value in result[-1].items():
-                add(counts, name, value)
-        add(counts, "judge/calls", len(chunks))
-        add(counts, "judge/seconds", time.perf_counter() - start)
+            wait_s = max(0.0, min(d for *_, d in pending.values()) - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+            now = time.monotonic()
+            for ref in [r for r in pending if r in ready or pending[r][3] <= now]:
+                i, attempt, a, deadline = pending.pop(ref)
+                load[a] -= 1
+                n = len(chunks[i])
+                if ref not in ready:  # past its deadline
+                    ray.cancel(ref)
+                    results[i] = ([None] * n, {"judge/timeouts": float(n)})
+                    continue
+                try:
+                    results[i] = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    add(counts, "judge/actor_failures")
+                    if attempt < self.max_retries:
+                        add(counts, "judge/retries")
+                        time.sleep(min(0.5 * 2**attempt, 10.0))  # let Ray restart it
+                        queue.append((i, attempt + 1))
+                    else:
+                        results[i] = ([None] * n, {"judge/failed": float(n)})
         counts["judge/max_in_flight"] = float(peak)
         return results
 
+    def _call_deadline(self, prompts: int) -> float:
+        """Longest a call of ``prompts`` requests may take: every timeout and retry its
+        backend could honour, request after request, plus a minute."""
+        return self.timeout_s * (self.max_retries + 1) * prompts + 60.0
+
     @staticmethod
-    def _collect(ray: Any, pending: dict, load: list[int], results: list) -> None:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for ref in ready:
-            i, a = pending.pop(ref)
-            load[a] -= 1
-            results[i] = ray.get(ref)
+    def _finish(counts: dict[str, float], start: float) -> None:
+        add(counts, "judge/seconds", time.perf_counter() - start)
 
-    def _record(self, counts: dict[str, float]) -> dict[str, float]:
-        with self._lock:
-            for name, value in counts.items():
-                if name == "judge/max_in_flight":
-                    self._counts[name] = max(self._counts.get(name, 0.0), value)
-                else:
-                    add(self._counts, name, value)
-        return counts
+    def _write(
+        self,
+        signal: JudgedSignal,
+        batch: TrajectoryBatch,
+        units: np.ndarray,
+        values: list[dict[str, Any] | None],
+        counts: dict[str, float],
+    ) -> TrajectoryBatch:
+        turn_level = signal.level == "turn"
+        size = batch.num_turns if turn_level else len(batch)
+        offsets = pa.array(batch.turn_offsets.astype(np.int32)) if turn_level else None
+        columns = {}
+        for name, spec in signal.columns.items():
+            flat: list[Any] = [None] * size
+            for unit, value in zip(units.tolist(), values, strict=True):
+                if value is not None:
+                    flat[unit] = value[name]
+            if turn_level:
+                columns[name] = pa.ListArray.from_arrays(
+                    offsets, pa.array(flat, type=spec.type.value_type)
+                )
+            else:
+                columns[name] = pa.array(flat, type=spec.type)
+        out = batch.with_traj_columns(columns)
+        agreement = signal.agreement(out)
+        if agreement is not None:
+            add(counts, "judge/agreement_hits", float(agreement[0]))
+            add(counts, "judge/agreement_n", float(agreement[1]))
+        return out.with_metrics(counts)
 
 
-def _chunks(rows: np.ndarray, sizes: np.ndarray, budget: int) -> list[np.ndarray]:
-    """Consecutive runs of ``rows`` holding about ``budget`` units (``sizes[row]`` each; a
-    row bigger than the budget goes alone)."""
-    chunks, start, total = [], 0, 0
-    for k, r in enumerate(rows):
-        if k > start and total + sizes[r] > budget:
-            chunks.append(rows[start:k])
-            start, total = k, 0
-        total += int(sizes[r])
-    if len(rows) > start:
-        chunks.append(rows[start:])
-    return chunks
+class _SignalStage:
+    """``batch -> batch`` with one signal filled (what :meth:`JudgePool.stage` returns)."""
+
+    def __init__(self, pool: JudgePool, signal: JudgedSignal) -> None:
+        self.pool, self.signal = pool, signal
+        self.__name__ = signal.name
+
+    def __call__(self, batch: TrajectoryBatch) -> TrajectoryBatch:
+        return self.pool.judge(self.signal, batch)
+
+
+def _resolve(data: Any) -> TrajectoryBatch:
+    if isinstance(data, TrajectoryBatch):
+        return data
+    import ray
+
+    if not isinstance(data, ray.ObjectRef):
+        raise TypeError(
+            f"expected a TrajectoryBatch or an ObjectRef to one, got {type(data).__name__}"
+        )
+    return ray.get(data)
+
+
+def _titles(corpus: Any) -> dict[str, str] | None:
+    """Corpus id -> title (the first line of its contents)."""
+    if corpus is None:
+        return None
+    if isinstance(corpus, Mapping):
+        return {str(k): v.split("\n", 1)[0].strip() for k, v in corpus.items()}
+    return {str(d["id"]): d["contents"].split("\n", 1)[0].strip() for d in corpus}
+
+
+def _missing_hint(signal: JudgedSignal, evidence: bool) -> str:
+    if evidence:
+        return (
+            "The evidence judge works from gold answers and supporting documents; for data "
+            "without them use an LLM judge: JudgePool(backend='hf', ...) or "
+            "JudgePool(backend='openai', ...)."
+        )
+    if "reference_plan" in signal.requires("llm"):
+        return (
+            "Make reference plans first (pool.judge('reference_plan', questions); the "
+            "pipelines do it for you) or bring them in the question file, and add them as "
+            "the reference_plan column."
+        )
+    return ""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,20 @@ class Estimator:
     ``params`` (or takes ``config=``) and runs ``fn``. Summary statistics of the
     advantages (:func:`advantage_metrics`) are the metrics stage's job, computed once per
     batch by whoever consumes it, not on every estimator call.
+
+    The rest is the method's recipe, which a pipeline is built from:
+
+    * ``signals``: the signals (``ray_credit.signals``) whose columns ``fn`` reads, each
+      with the settings the paper uses (``{"info_gain": {"mode": "log_prob_diff"}}``);
+      the pipeline runs them as stages before the estimator.
+    * ``learner``: the learner settings the paper trains with that differ from the
+      learner's defaults (verl's): :class:`~ray_credit.actors.learner.LearnerConfig`
+      fields, dotted into its loss section (``"loss.ratio_level": "turn"``, ``"kl_coef"``).
+      A pipeline starts from them and reports any departure.
+    * ``group_local``: the output on a batch is the concatenation of the outputs on its
+      parts when it is split at group boundaries (every statistic is within a group), so
+      the pipeline may run it on each chunk as soon as it is generated. False: it runs
+      once per step, on the step's whole batch.
     """
 
     name: str
@@ -35,10 +49,18 @@ class Estimator:
     config_cls: type
     requires: tuple[str, ...]
     description: str = ""
+    signals: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    learner: Mapping[str, Any] = field(default_factory=dict)
+    group_local: bool = True
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.config_cls):
             raise TypeError(f"estimator {self.name!r}: config_cls must be a dataclass")
+        if isinstance(self.signals, (str, tuple, list)):
+            raise TypeError(
+                f"estimator {self.name!r}: signals maps each signal's name to the settings "
+                "the paper uses, e.g. {'info_gain': {}}"
+            )
 
     def make_config(self, config: Any = None, **params: Any) -> Any:
         if config is not None and not isinstance(config, self.config_cls):

@@ -196,5 +196,9 @@ ESTIMATORS = (
         A2TGPOConfig,
         ("group_id", "outcome_reward", "turns", "turn_info_gain"),
         "turn-group IG normalization, variance-rescaled accumulation, adaptive clip (A2TGPO)",
+        # ATGPO_multihop_qwen3_4B.sh (ALGORITHMS.md 7.2, 7.5): log-prob IG, the turn-level
+        # ratio with its own clip range (scaled per turn by turn_clip_scale), no KL.
+        signals={"info_gain": {"mode": "log_prob_diff"}},
+        learner={"loss.ratio_level": "turn", "loss.clip_low": 3e-3, "loss.clip_high": 4e-3},
     ),
 )

@@ -176,5 +176,7 @@ ESTIMATORS = (
         CWGRPOConfig,
         ("group_id", "outcome_reward", "turns", "judge_utility", "judge_correct"),
         "GRPO advantage redistributed over search rounds by judged contribution (CW-GRPO)",
+        signals={"cw_grpo_judgement": {}},
+        learner={"kl_coef": 1e-3},  # ALGORITHMS.md 4.2: low_var_kl (k3) loss, coef 0.001
     ),
 )

@@ -209,9 +209,7 @@ def gigpo(batch: TrajectoryBatch, config: GiGPOConfig) -> TrajectoryBatch:
 
     metrics = {
         "gigpo/anchor_groups": float(num_anchor_groups),
-        "gigpo/singleton_anchor_frac": float(
-            np.count_nonzero(anchor_sizes == 1) / num_anchor_groups
-        ),
+        "gigpo/singleton_anchor_groups": float(np.count_nonzero(anchor_sizes == 1)),
         "gigpo/invalid_turns": float(np.count_nonzero(invalid)),
         "gigpo/null_anchors": float(null_anchors),
         "gigpo/null_actions": float(actions.null_count),
@@ -267,5 +265,6 @@ ESTIMATORS = (
         GiGPOConfig,
         ("group_id", "outcome_reward", "turns", "question"),
         "episode-level plus anchor-state step-level group normalization (GiGPO)",
+        learner={"kl_coef": 1e-3},  # ALGORITHMS.md 8.2: KL loss 0.001 low_var_kl (k3)
     ),
 )

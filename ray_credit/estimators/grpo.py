@@ -75,6 +75,14 @@ def rloo(batch: TrajectoryBatch, config: RLOOConfig) -> TrajectoryBatch:
 _REQUIRES = ("group_id", "outcome_reward", "turns")
 ESTIMATORS = (
     Estimator("grpo", grpo, GRPOConfig, _REQUIRES, "group-normalized outcome reward (GRPO)"),
-    Estimator("dr_grpo", grpo, DrGRPOConfig, _REQUIRES, "GRPO without std normalization (Dr.GRPO)"),
+    Estimator(
+        "dr_grpo",
+        grpo,
+        DrGRPOConfig,
+        _REQUIRES,
+        "GRPO without std normalization (Dr.GRPO)",
+        # ALGORITHMS.md 2.4: Dr.GRPO sums token losses over a constant length
+        learner={"loss.agg_mode": "seq-mean-token-sum-norm"},
+    ),
     Estimator("rloo", rloo, RLOOConfig, _REQUIRES, "leave-one-out baseline (RLOO)"),
 )

@@ -162,5 +162,7 @@ ESTIMATORS = (
         IGPOConfig,
         ("group_id", "outcome_reward", "turns", "turn_info_gain"),
         "information-gain turn rewards, group-normalized, discounted backwards (IGPO)",
+        signals={"info_gain": {"mode": "prob_diff"}},
+        learner={"kl_coef": 1e-3},  # ALGORITHMS.md 6.3: KL loss, coef 0.001 (k3)
     ),
 )

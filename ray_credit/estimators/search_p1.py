@@ -244,5 +244,8 @@ ESTIMATORS = (
         SearchP1Config,
         ("group_id", "outcome_reward", "turns", *EVALUATOR_FIELDS),
         "path-centric reward (plan execution, reference coverage, soft outcome) + GRPO (Search-P1)",
+        signals={"search_p1_evaluation": {}},
+        # ALGORITHMS.md 5.1: clip 0.2 to 0.28 (DAPO's clip-higher), low-var KL loss 0.001
+        learner={"loss.clip_high": 0.28, "kl_coef": 1e-3},
     ),
 )

@@ -208,7 +208,7 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
     metrics = {
         "tspo/turn_level_group_frac": float(turn_level.mean()),
         "tspo/all_wrong_group_frac": float(all_wrong.mean()),
-        "tspo/partial_reward_turn_frac": float(cut[partial].sum() / batch.num_turns),
+        "tspo/partial_reward_turns": float(cut[partial].sum()),
         "tspo/null_contains_gold": float(null_contains),
     }
     return batch.with_turn_columns(

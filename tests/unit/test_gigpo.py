@@ -64,7 +64,7 @@ def test_step_returns_and_anchor_groups():
     assert codes.tolist() == [0, 1, 2, 0, 1] and count == 3 and nulls == 0
     metrics = out.metrics
     assert metrics["gigpo/anchor_groups"] == 3
-    assert metrics["gigpo/singleton_anchor_frac"] == pytest.approx(1 / 3)
+    assert metrics["gigpo/singleton_anchor_groups"] == 1
     assert metrics["gigpo/invalid_turns"] == 0
     assert metrics["gigpo/null_anchors"] == 0
 

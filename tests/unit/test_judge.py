@@ -1,4 +1,5 @@
-"""Unit tests for the JudgePool (no Ray): evidence judgements, LLM parsing, the backends."""
+"""Unit tests for the JudgePool and the built-in judged signals (no Ray): evidence rules,
+strict parsing, the LLM backends, nulls counted by cause."""
 
 from __future__ import annotations
 
@@ -11,20 +12,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from ray_credit.actors.judge import JudgePool
-from ray_credit.actors.judge_backends import (
-    PROMPTS,
-    load_judge_prompt,
-    parse_cw_grpo,
-    parse_json_object,
-    parse_reference_plan,
-    parse_search_p1,
-)
+from ray_credit.actors.judge import NULL_CAUSES, JudgePool
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.data.synthetic import make_world
 from ray_credit.estimators import get_estimator
+from ray_credit.signals import get_signal
+from ray_credit.signals._base import parse_json_object
+from ray_credit.signals.cw_grpo_judgement import CWGRPOJudgement
 
-NULL_CAUSES = ("skipped", "no_evidence", "unparseable", "failed", "timeouts")
+CW = "cw_grpo_judgement"
+SP1 = "search_p1_evaluation"
+PLAN = "reference_plan"
+
+
+def parse(signal, reply, context=None):
+    return get_signal(signal).parse(reply, context)
 
 
 def traj(i, actions, *, reward=0.0, answer=None, docs=None, obs=None, support=("d1", "d2"), **kw):
@@ -90,7 +92,7 @@ def test_evidence_cw_grpo_per_turn_rules():
         traj(2, ["invalid", "search", "answer"], reward=1, answer="unrelated", docs=[None, ["d1"], None],
              obs=[None, "unrelated", None]),
     )  # fmt: skip
-    out = JudgePool().annotate_cw_grpo(batch)
+    out = JudgePool().judge(CW, batch)
     assert judged(out, "judge_utility") == [[1, 0, 1, 1], [1, 0, 0, 1], [0, 1, 0]]
     assert judged(out, "judge_correct") == [[1, 1, 1, 1], [1, 0, 0, 0], [0, 1, 1]]
     assert out.table.schema.field("judge_utility").type.value_type.bit_width == 8
@@ -105,15 +107,14 @@ def test_evidence_cw_grpo_skips_failed_and_rows_without_evidence():
         traj(2, ["search", "answer"], reward=1, answer="x", docs=[["d1"], None], support=None),
         traj(3, ["answer"], reward=1, answer="x", support=[]),
     )
-    pool = JudgePool(skip_failed=True)
-    out = pool.annotate_cw_grpo(batch)
+    pool = JudgePool()
+    out = pool.judge(CWGRPOJudgement(skip_failed=True), batch)
     assert judged(out, "judge_utility")[1:] == [[None, None], [None, None], [None]]
     assert out.metrics["judge/skipped"] == 2 and out.metrics["judge/no_evidence"] == 3
     assert_nulls_accounted(out, ["judge_utility", "judge_correct"])
-    everything = JudgePool(skip_failed=False).annotate_cw_grpo(batch)
+    everything = pool.judge(CWGRPOJudgement(skip_failed=False), batch)
     assert judged(everything, "judge_utility")[1] == [1, 0]
     assert everything.metrics.get("judge/skipped", 0) == 0
-    assert pool.metrics()["judge/skipped"] == 2  # pool counters accumulate
 
 
 def test_cw_grpo_estimator_reads_the_evidence_judgements():
@@ -121,7 +122,7 @@ def test_cw_grpo_estimator_reads_the_evidence_judgements():
         traj(0, SEARCH3, reward=1, answer="Velmora Hall", docs=[["d1"], ["x"], ["d2"], None], obs=OBS),
         traj(1, ["search", "answer"], reward=0, answer="x", docs=[["x"], None]),
     )  # fmt: skip
-    out = get_estimator("cw_grpo")(JudgePool().annotate_cw_grpo(batch))
+    out = get_estimator("cw_grpo")(JudgePool().judge(CW, batch))
     adv = judged(out, "turn_advantages")
     a = adv[0][-1]  # GRPO advantage of the success; alpha = inf: rounds with p = 1 share 3 a
     np.testing.assert_allclose(adv[0], [1.5 * a, 0, 1.5 * a, a], rtol=1e-5)
@@ -140,8 +141,8 @@ def test_cw_grpo_estimator_reads_the_evidence_judgements():
 )  # fmt: skip
 def test_evidence_search_p1_fields(actions, docs, answer, expected):
     reward = float(answer == "Velmora Hall")
-    out = JudgePool().annotate_search_p1(
-        batch_of(traj(0, actions, reward=reward, answer=answer, docs=docs))
+    out = JudgePool().judge(
+        SP1, batch_of(traj(0, actions, reward=reward, answer=answer, docs=docs))
     )
     row = out.to_records()[0]
     planner, effective, accuracy, reasoning = expected
@@ -158,7 +159,7 @@ def test_search_p1_estimator_accepts_the_evidence_fields():
         traj(1, ["search", "answer"], answer="nowhere", docs=[["d2"], None]),
         traj(2, ["search", "answer"], answer="nowhere", docs=[["d2"], None], support=None),
     )  # fmt: skip
-    out = get_estimator("search_p1")(JudgePool().annotate_search_p1(batch))
+    out = get_estimator("search_p1")(JudgePool().judge(SP1, batch))
     assert out.metrics["search_p1/evaluator_missing"] == out.metrics["judge/no_evidence"] == 1
     rewards = [row[0] for row in judged(out, "turn_rewards")]
     # row 0: R_path = 1.2 * 1 * 1, R_out = 1, r_f = 0.1; row 1: S_ref = 0.5, soft outcome 0.2 * 0.5
@@ -173,11 +174,15 @@ def test_evidence_reference_plans_from_the_synthetic_world():
     questions = world.questions[:8] + [
         {"question": "x?", "golden_answers": ["y"], "supporting_doc_ids": None}
     ]
-    plans = pool.make_reference_plans(questions)
+    plans = pool.judge(PLAN, questions)
     titles = {d["id"]: d["contents"].split("\n")[0] for d in world.corpus}
-    assert plans[:-1] == [[titles[d] for d in q["supporting_doc_ids"]] for q in world.questions[:8]]
-    assert [len(p) for p in plans[:-1]] == [q["hops"] for q in world.questions[:8]]
-    assert plans[-1] is None and pool.metrics()["judge/no_evidence"] == 1
+    assert [p["reference_plan"] for p in plans[:-1]] == [
+        [titles[d] for d in q["supporting_doc_ids"]] for q in world.questions[:8]
+    ]
+    assert [len(p["reference_plan"]) for p in plans[:-1]] == [
+        q["hops"] for q in world.questions[:8]
+    ]
+    assert plans[-1] is None
 
 
 def test_bad_inputs_say_what_to_do():
@@ -189,27 +194,37 @@ def test_bad_inputs_say_what_to_do():
         [{k: v for k, v in traj(0, ["answer"]).items() if k != "supporting_doc_ids"}]
     )
     with pytest.raises(ValueError, match=r"\['supporting_doc_ids'\].*backend='hf'"):
-        JudgePool().annotate_cw_grpo(no_support)
+        JudgePool().judge(CW, no_support)
     with pytest.raises(ValueError, match="base_url"):
         JudgePool("openai", model="m")
     with pytest.raises(ValueError, match="model="):
         JudgePool("openai", base_url="http://localhost:1/v1")
     with pytest.raises(ValueError, match="pass the corpus"):
-        JudgePool().make_reference_plans([{"question": "q?", "supporting_doc_ids": ["1"]}])
-    with pytest.raises(ValueError, match=r"\['reference_plan'\].*make_reference_plans"):
-        JudgePool(StaticBackend("{}")).annotate_search_p1(batch_of(traj(0, ["answer"])))
+        JudgePool().judge(PLAN, [{"question": "q?", "supporting_doc_ids": ["1"]}])
+    no_plan = TrajectoryBatch.from_records([traj(0, ["answer"])])
+    with pytest.raises(ValueError, match=r"\['reference_plan'\].*reference plans first"):
+        JudgePool(StaticBackend("{}")).judge(SP1, no_plan)
     with pytest.raises(TypeError, match="TrajectoryBatch or an ObjectRef"):
-        JudgePool().annotate_cw_grpo([1, 2])
+        JudgePool().judge(CW, [1, 2])
     with pytest.raises(ValueError, match="max_concurrency"):
         JudgePool(max_concurrency=0)
+    with pytest.raises(ValueError, match="evidence judge runs in process"):
+        JudgePool("evidence", num_actors=2)
+    with pytest.raises(TypeError, match="judges JudgedSignal objects"):
+        JudgePool().judge(get_signal("info_gain"), no_plan)
+    with pytest.raises(ValueError, match="num_actors >= 1"):
+        JudgePool(StaticBackend("{}")).stage(CW)
+    with pytest.raises(KeyError, match="unknown signal 'nope'.*registered"):
+        JudgePool().judge("nope", no_plan)
 
 
 # ----------------------------------------------------------------------------- parsing
 def test_json_replies_are_parsed_strictly():
     good = '{"retrieval_reward": 1, "thinking_reward": 0, "analysis": "ok"}'
-    assert parse_cw_grpo(good) == (1, 0)
-    assert parse_cw_grpo(f"  \n```json\n{good}\n```\n") == (1, 0)
-    assert parse_cw_grpo(f"```\n{good}\n```") == (1, 0)
+    grades = {"judge_utility": 1, "judge_correct": 0}
+    assert parse(CW, good) == grades
+    assert parse(CW, f"  \n```json\n{good}\n```\n") == grades
+    assert parse(CW, f"```\n{good}\n```") == grades
     for bad in [
         f"Sure! {good}",  # prose around the object
         f"```json\n{good}\n``` and more",
@@ -218,15 +233,14 @@ def test_json_replies_are_parsed_strictly():
         '{"retrieval_reward": 1}',
         "[1, 0]",
         "",
-        None,
     ]:
-        assert parse_cw_grpo(bad) is None, bad
+        assert parse(CW, bad) is None, bad
     assert parse_json_object('{"a": 1}') == {"a": 1}
     sp1 = {
         "planner_score": 1.2, "model_plan_steps": 3, "effective_steps_self": 2, "effective_steps_ref": 2,
         "outcome_accuracy_score": 0.5, "outcome_reasoning_score": 0.8,
     }  # fmt: skip
-    parsed = parse_search_p1(json.dumps(sp1), ref_steps=2)
+    parsed = parse(SP1, json.dumps(sp1), 2)
     assert parsed["sp1_plan_steps"] == 3 and parsed["sp1_ref_plan_steps"] == 2
     for change in [
         {"planner_score": 0.9},
@@ -236,29 +250,25 @@ def test_json_replies_are_parsed_strictly():
         {"effective_steps_self": 4},  # more than the plan it counts
         {"effective_steps_ref": 3},  # more than the reference's 2 steps
     ]:
-        assert parse_search_p1(json.dumps({**sp1, **change}), ref_steps=2) is None, change
-    assert parse_reference_plan('{"steps": ["a", " b "]}') == ["a", "b"]
-    assert parse_reference_plan('{"steps": []}') is None
-    assert parse_reference_plan('{"steps": ["a", ""]}') is None
+        assert parse(SP1, json.dumps({**sp1, **change}), 2) is None, change
+    assert parse(PLAN, '{"steps": ["a", " b "]}') == {"reference_plan": ["a", "b"]}
+    assert parse(PLAN, '{"steps": []}') is None
+    assert parse(PLAN, '{"steps": ["a", ""]}') is None
+    assert parse_json_object(None) is None
 
 
-def test_prompt_files_ship_in_the_package():
+def test_prompts_ship_with_their_signals():
+    """Each judged signal renders its own prompt file (shipped in the package), asking for
+    JSON, with literal braces surviving str.format."""
     from importlib import resources
 
-    folder = resources.files("ray_credit") / "prompts" / "judge"
-    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{n}.txt" for n in PROMPTS)
-    fields = {
-        "question": "Q",
-        "trace": "T",
-        "gold_answers": "G",
-        "ref_steps": 2,
-        "reference_plan": "P",
-    }
-    for name in PROMPTS:
-        text = load_judge_prompt(name).format(**fields)
-        assert "JSON" in text and "{" in text  # asks for JSON, literal braces survive format
-    with pytest.raises(ValueError, match="judge prompts are"):
-        load_judge_prompt("nope")
+    folder = resources.files("ray_credit.signals") / "prompts"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{n}.txt" for n in (CW, SP1, PLAN))
+    row = traj(0, SEARCH3, reward=1, answer="x", obs=OBS, reference_plan=["a", "b"])
+    row["golden_answers"] = row["gold_answers"]
+    for name, turn in ((CW, 2), (SP1, None), (PLAN, None)):
+        request = get_signal(name).request(row, turn)
+        assert "JSON" in request.prompt and "{" in request.prompt and request.schema
 
 
 # ----------------------------------------------------------------------------- LLM backends
@@ -269,15 +279,16 @@ class StaticBackend:
         self.reply = reply
         self.prompts = []
 
-    def complete(self, prompts, counts):
+    def complete(self, prompts, counts, schemas=None):
         self.prompts.extend(prompts)
+        self.schemas = schemas
         return [self.reply] * len(prompts)
 
 
 def test_llm_judge_renders_one_prompt_per_turn_with_the_trace_so_far():
     backend = StaticBackend('{"retrieval_reward": 1, "thinking_reward": 1}')
     batch = batch_of(traj(0, SEARCH3, reward=1, answer="Velmora Hall", obs=OBS))
-    out = JudgePool(backend, batch_size=3).annotate_cw_grpo(batch)
+    out = JudgePool(backend, batch_size=3).judge(CW, batch)
     assert judged(out, "judge_utility") == [[1, 1, 1, 1]]
     assert len(backend.prompts) == 4
     agent_blocks = [
@@ -358,7 +369,7 @@ def test_openai_good_and_garbage_replies():
         return 200, _server_reply(replies[row]), 0
 
     with fake_openai_server(script) as (url, state):
-        out = openai_pool(url, batch_size=2).annotate_cw_grpo(one_turn_batch(3))
+        out = openai_pool(url, batch_size=2).judge(CW, one_turn_batch(3))
     assert judged(out, "judge_utility") == [[1], [None], [1]]
     assert judged(out, "judge_correct") == [[0], [None], [0]]
     assert out.metrics["judge/unparseable"] == 1 and out.metrics["judge/requests"] == 3
@@ -372,7 +383,7 @@ def test_openai_retries_5xx_and_429_then_succeeds():
         url,
         state,
     ):
-        out = openai_pool(url).annotate_cw_grpo(one_turn_batch())
+        out = openai_pool(url).judge(CW, one_turn_batch())
     assert judged(out, "judge_utility") == [[1]]
     assert out.metrics["judge/retries"] == 2 and state["n"] == 3
     assert out.metrics["judge/latency_s"] > 0
@@ -380,16 +391,16 @@ def test_openai_retries_5xx_and_429_then_succeeds():
 
 def test_openai_gives_up_after_retries_and_does_not_retry_4xx():
     with fake_openai_server(lambda n, _: (503, {}, 0)) as (url, state):
-        out = openai_pool(url, max_retries=2).annotate_cw_grpo(one_turn_batch())
+        out = openai_pool(url, max_retries=2).judge(CW, one_turn_batch())
     assert judged(out, "judge_utility") == [[None]] and state["n"] == 3
     assert out.metrics["judge/failed"] == 1 and out.metrics["judge/retries"] == 2
     with fake_openai_server(lambda n, _: (400, {"error": "prompt too long"}, 0)) as (url, state):
-        out = openai_pool(url).annotate_cw_grpo(one_turn_batch())
+        out = openai_pool(url).judge(CW, one_turn_batch())
     assert judged(out, "judge_utility") == [[None]] and state["n"] == 1
     assert out.metrics["judge/failed"] == 1
     not_found = fake_openai_server(lambda n, _: (404, {"error": "no such model"}, 0))
     with not_found as (url, _), pytest.raises(RuntimeError, match="404.*base_url or the model"):
-        openai_pool(url).annotate_cw_grpo(one_turn_batch())
+        openai_pool(url).judge(CW, one_turn_batch())
 
 
 def test_openai_timeout_is_null_and_counted():
@@ -398,7 +409,7 @@ def test_openai_timeout_is_null_and_counted():
         _,
     ):
         pool = openai_pool(url, timeout_s=0.3, max_retries=0)
-        out = pool.annotate_cw_grpo(one_turn_batch(2))
+        out = pool.judge(CW, one_turn_batch(2))
     assert judged(out, "judge_utility") == [[None], [1]]
     assert out.metrics["judge/timeouts"] == 1 and "judge/failed" not in out.metrics
     assert_nulls_accounted(out, ["judge_utility", "judge_correct"])
@@ -418,7 +429,8 @@ def test_openai_search_p1_and_reference_plans():
 
     with fake_openai_server(script) as (url, state):
         pool = openai_pool(url)
-        plans = pool.make_reference_plans([{"question": "q?", "golden_answers": ["Velmora Hall"]}])
+        plans = pool.judge(PLAN, [{"question": "q?", "golden_answers": ["Velmora Hall"]}])
+        plans = [p["reference_plan"] for p in plans]
         assert plans == [["who founded it", "where was she born"]]
         assert "Velmora Hall" in state["prompts"][0]
         batch = batch_of(
@@ -426,7 +438,7 @@ def test_openai_search_p1_and_reference_plans():
             traj(1, ["search", "answer"], answer="x", reference_plan=plans[0], question="ROW1?"),
             traj(2, ["search", "answer"], answer="x", reference_plan=None),
         )
-        out = pool.annotate_search_p1(batch)
+        out = pool.judge(SP1, batch)
     rows = out.to_records()
     assert rows[0]["sp1_ref_plan_steps"] == 2 and rows[0]["sp1_outcome_reasoning"] == 0.5
     assert rows[1]["sp1_planner_score"] is None and rows[2]["sp1_planner_score"] is None
@@ -436,13 +448,14 @@ def test_openai_search_p1_and_reference_plans():
 
 
 def test_hf_tiny_random_garbage_is_null_and_counted():
-    pool = JudgePool("hf", model="tiny-random", max_new_tokens=6, batch_size=3)
+    """Unguided, a random model's replies are garbage: null and counted, never 0."""
+    pool = JudgePool("hf", model="tiny-random", max_new_tokens=6, batch_size=3, guided=False)
     batch = batch_of(
         traj(0, SEARCH3, reward=1, answer="Velmora Hall", obs=OBS), traj(1, ["answer"], reward=1)
     )
-    out = pool.annotate_cw_grpo(batch)
+    out = pool.judge(CW, batch)
     assert judged(out, "judge_utility") == [[None] * 4, [None]]
     assert out.metrics["judge/unparseable"] == out.metrics["judge/requests"] == 5
     assert out.metrics["judge/latency_s"] > 0
-    assert pool.make_reference_plans([{"question": "q?", "golden_answers": ["a"]}]) == [None]
+    assert pool.judge(PLAN, [{"question": "q?", "golden_answers": ["a"]}]) == [None]
     assert get_estimator("cw_grpo")(out).metrics["cw_grpo/null_judgement_trajs"] == 1

@@ -112,3 +112,45 @@ def test_user_estimator_registers_and_resolves():
     assert callable(plain)
     with pytest.raises(TypeError):
         resolve_estimator(3)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_group_local_estimators_run_per_chunk(name):
+    """What lets the pipeline run an estimator on each chunk as it is generated: on a
+    batch split at group boundaries, the parts' advantages are the whole batch's."""
+    est = get_estimator(name)
+    assert est.group_local
+    batch = random_batch(5, num_groups=9, max_turns=5, singleton_frac=0.2)
+    whole = dict(zip(batch.column("traj_id").to_pylist(), est(batch).to_records(), strict=True))
+    parts = np.random.default_rng(1).integers(0, 3, batch.num_groups)[batch.group_index]
+    for part in range(3):
+        chunk = est(batch.select(np.flatnonzero(parts == part)))
+        for row in chunk.to_records():
+            np.testing.assert_allclose(
+                row["turn_advantages"],
+                whole[row["traj_id"]]["turn_advantages"],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+
+
+def test_estimator_recipes_name_real_signals_and_learner_settings():
+    """Each estimator's declaration is buildable: its signals exist and take the settings
+    given, its columns come from a rollout or a declared signal, and its learner settings
+    are fields of LearnerConfig."""
+    pytest.importorskip("torch")
+    from ray_credit.actors.learner import LearnerConfig
+    from ray_credit.batch import ROLLOUT_COLUMNS
+    from ray_credit.config import replace_path
+    from ray_credit.signals import get_signal
+
+    for name, est in ESTIMATORS.items():
+        provided = set(ROLLOUT_COLUMNS)
+        for signal_name, settings in est.signals.items():
+            signal = dataclasses.replace(get_signal(signal_name), **settings)
+            provided |= set(signal.columns)
+        assert set(est.requires) <= provided, (name, set(est.requires) - provided)
+        config = LearnerConfig()
+        for key, value in est.learner.items():
+            config = replace_path(config, key, value)
+    assert get_estimator("a2tgpo").learner["loss.ratio_level"] == "turn"
