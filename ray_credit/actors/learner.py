@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import random
 import time
 from collections.abc import Mapping
@@ -48,12 +49,25 @@ import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.losses import KL_ESTIMATORS, PolicyLossConfig
+from ray_credit.models import load_model, model_dtype
 
-__all__ = ["Learner", "LearnerConfig", "make_learner_actor"]
+__all__ = ["Learner", "LearnerConfig"]
 
 OFF_POLICY = ("none", "tis", "decoupled")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 _STATE_FILE = "learner_state.pt"
+_STATE_KEYS = frozenset(
+    (
+        "optimizer",
+        "scheduler",
+        "policy_version",
+        "optimizer_steps",
+        "counters",
+        "config",
+        "rng",
+        "reference",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -105,8 +119,13 @@ class LearnerConfig:
     behavior logprobs are of the tempered distribution). Greedy generation: 1."""
     seed: int = 0
     """Seed of the mini-batch shuffling."""
+    dtype: str = "float32"
+    """The dtype the policy and the frozen reference are held in: ``"float32"`` (exact
+    logprobs, the default on CPUs), ``"bfloat16"`` (GPUs), ``"float16"`` or ``"auto"`` (the
+    checkpoint's own), as :func:`ray_credit.models.load_model` takes it."""
 
     def __post_init__(self) -> None:
+        model_dtype(self.dtype)  # raises ValueError naming the dtypes it knows
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature must be a positive finite number (the generator's; greedy: 1), "
@@ -160,9 +179,12 @@ class Learner:
         model: ``"smollm2-135m"``, ``"tiny-random"``, an HF id or folder (a learner
             checkpoint's ``model/`` folder too), or a loaded ``(model, tokenizer)`` pair
             (then trained in place).
-        config: :class:`LearnerConfig`.
-        device, dtype: where and how to hold the policy (and the reference, if any).
-        world: data-parallel hooks, set by the Ray Train wrapper; ``None`` is one process.
+        config: :class:`LearnerConfig` (``config.dtype``: how the policy and the reference
+            are held; a loaded pair is kept as it is).
+        device: where to hold the policy (and the reference, if any).
+        world: data-parallel hooks (:class:`TorchDistributed`, :class:`TorchFSDP`), set by
+            :class:`~ray_credit.actors.learner_group.LearnerGroup`'s workers once they joined
+            their process group; ``None`` is one process.
     """
 
     def __init__(
@@ -171,15 +193,16 @@ class Learner:
         config: LearnerConfig | None = None,
         *,
         device: str = "cpu",
-        dtype: str = "float32",
         world: DataParallel | None = None,
     ) -> None:
         import torch
 
-        from ray_credit.models import load_model
-
         self.config = config or LearnerConfig()
-        pair = model if isinstance(model, tuple) else load_model(model, dtype=dtype, device=device)
+        pair = (
+            model
+            if isinstance(model, tuple)
+            else load_model(model, dtype=self.config.dtype, device=device)
+        )
         self.model, self.tokenizer = pair
         self.model.eval()  # no dropout: the learner's logprobs are the sampler's
         self.world = world or DataParallel()
@@ -238,15 +261,23 @@ class Learner:
     def join_weight_group(self, address: str, manifest: list) -> None:
         """Rank 0 joins as the sender (blocks until every generator has joined)."""
         if self.world.rank == 0:
-            self._weight_group.join(address, 0, manifest)
+            self._opened_weight_group().join(address, 0, manifest)
 
     def broadcast_weights(self) -> int:
         """Send the current weights to the group (every rank calls it: FSDP gathers them
         first); returns the policy version sent."""
         weights = self.get_weights()
         if self.world.rank == 0:
-            self._weight_group.broadcast(weights, device=str(self.device))
+            self._opened_weight_group().broadcast(weights, device=str(self.device))
         return self.policy_version
+
+    def _opened_weight_group(self):
+        if self._weight_group is None:
+            raise RuntimeError(
+                "this learner has no weight group: call open_weight_group, then "
+                "join_weight_group, before broadcasting"
+            )
+        return self._weight_group
 
     def get_policy_version(self) -> int:
         return self.policy_version
@@ -503,7 +534,12 @@ class Learner:
     # ------------------------------------------------------------------- checkpoint
     def save(self, folder: str | Path) -> Path:
         """Model (+ tokenizer) in HF format under ``folder/model``; optimizer, scheduler,
-        RNG states and counters in ``folder/learner_state.pt``."""
+        RNG states and counters in ``folder/learner_state.pt``.
+
+        The state file holds only tensors, numbers, strings, None and dicts, lists and
+        tuples of them (the RNG states too: numpy's is a dict of ints, Python's a tuple),
+        so that :meth:`load_state` reads it with ``torch.load(weights_only=True)``, which
+        never runs code from the file."""
         import torch
 
         folder = Path(folder)
@@ -536,17 +572,21 @@ class Learner:
 
     def load_state(self, folder: str | Path) -> None:
         """Restore what :meth:`save` wrote (the model itself is loaded from ``folder/model``
-        by the constructor: ``Learner(f"{folder}/model", config)``)."""
+        by the constructor: ``Learner(f"{folder}/model", config)``).
+
+        Raises:
+            FileNotFoundError: ``folder`` has no state file.
+            ValueError: the file is damaged, is not a learner checkpoint, holds objects
+                other than tensors and plain containers (refused unread: unpickling them
+                could run code), or was written with a different config.
+        """
         import torch
 
         path = Path(folder) / _STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: not a learner checkpoint folder")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:  # a truncated or foreign file
-            raise ValueError(f"{path} is not a readable learner checkpoint: {err}") from err
-        saved = state.get("config", {})
+        state = _read_state(path)
+        saved = state["config"]
         mismatched = {
             k: (saved.get(k), v)
             for k, v in asdict(self.config).items()
@@ -567,6 +607,28 @@ class Learner:
         random.setstate(state["rng"]["python"])
         if self.reference is not None and state["reference"] is not None:
             self.world.load_state_dict(self.reference, state["reference"])
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """The dict :meth:`Learner.save` wrote to ``path``, read with ``weights_only=True``."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        raise ValueError(
+            f"{path} is not a learner checkpoint (or was written by something else, or is "
+            f"damaged): torch.load(weights_only=True) refused it ({type(err).__name__}). A "
+            "learner checkpoint holds only tensors, numbers, strings and containers; "
+            "nothing else is unpickled, since that could run code"
+        ) from err
+    missing = _STATE_KEYS - state.keys() if isinstance(state, dict) else _STATE_KEYS
+    if missing:
+        raise ValueError(
+            f"{path} is not a learner checkpoint (or was written by something else): "
+            f"it lacks {sorted(missing)}"
+        )
+    return state
 
 
 def _token_logprobs(logits, targets):
@@ -626,15 +688,16 @@ class DataParallel:
 
 
 class TorchDistributed(DataParallel):
-    """``torch.distributed`` data parallelism (DDP), as set up by Ray Train's TorchTrainer."""
+    """``torch.distributed`` data parallelism (DDP) over the process group this process
+    joined (:class:`~ray_credit.actors.learner_group.LearnerGroup`'s workers join one)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise RuntimeError(
-                "TorchDistributed needs an initialized process group (run inside Ray Train's "
-                "TorchTrainer, or call torch.distributed.init_process_group first)"
+                "TorchDistributed needs an initialized process group: run the learner in a "
+                "LearnerGroup, or call torch.distributed.init_process_group first"
             )
         self._dist = dist
         self.size = dist.get_world_size()
@@ -667,7 +730,7 @@ class TorchDistributed(DataParallel):
         return float(t[0])
 
     def _reduce_device(self):
-        """Where small reductions run: NCCL (Ray Train on GPUs) reduces CUDA tensors only."""
+        """Where small reductions run: NCCL (the backend on GPUs) reduces CUDA tensors only."""
         import torch
 
         if self._dist.get_backend() == "nccl":
@@ -741,22 +804,3 @@ class _FSDPNoSync:
 
     def __exit__(self, *exc):
         self.model.set_requires_gradient_sync(True)
-
-
-def make_learner_actor(
-    model: str = "smollm2-135m",
-    config: LearnerConfig | None = None,
-    *,
-    num_cpus: float = 1,
-    num_gpus: float = 0,
-    resources: Mapping[str, float] | None = None,
-    **kwargs: Any,
-):
-    """A :class:`Learner` as a Ray actor (``num_gpus > 0`` puts it on a GPU)."""
-    import ray
-
-    device = "cuda" if num_gpus else kwargs.pop("device", "cpu")
-    actor = ray.remote(Learner).options(
-        num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources or {})
-    )
-    return actor.remote(model, config, device=device, **kwargs)

@@ -1,137 +1,63 @@
-"""LearnerGroup: the learner behind one API, as one Ray actor or a Ray Train DDP group.
+"""LearnerGroup: ``num_workers`` learner actors (one included) behind one dispatch point.
 
-``num_workers=1`` runs a :class:`~ray_credit.actors.learner.Learner` in one Ray actor.
-``num_workers>1`` runs Ray Train's ``TorchTrainer`` (gloo on CPUs, NCCL on GPUs): every
-worker holds a replica wrapped in DDP, and a small mailbox actor hands them commands in
-order (train a batch, return the weights, save, stop). For a ``train`` command every
-rank reads the whole batch from the object store and trains on its share of each
-mini-batch; the loss is normalized over the whole mini-batch (see
-:mod:`ray_credit.actors.learner`), so the update equals one worker's on the same data up
-to float rounding.
+Workers. Each rank is a Ray actor holding a :class:`~ray_credit.actors.learner.Learner`.
+It starts empty and is built by its ``setup`` call, because DDP and FSDP wrap the model
+over a process group that must exist first: with ``num_workers > 1`` every rank joins
+one ``torch.distributed`` group (gloo on CPUs, NCCL on GPUs; the rendezvous is at rank
+0's node address, on a port free there), then builds its Learner with
+:class:`~ray_credit.actors.learner.TorchDistributed` (``strategy="ddp"``: a replica per
+rank) or :class:`~ray_credit.actors.learner.TorchFSDP` (``"fsdp"``: parameters,
+gradients and optimizer state sharded), then loads the state of ``resume_from``. One
+worker joins no group. Every rank is set up at once, since joining waits for all.
 
-Every call waits at most ``timeout_s`` and raises :class:`TimeoutError` naming the
-command; a worker's exception is raised in the driver with the worker's traceback.
+Placement. Before any worker starts, one placement group reserves a bundle per worker
+(the per-worker resources, plus one GPU with ``use_gpu``), packed onto as few nodes as
+possible; a group the cluster cannot hold fails within ``timeout_s`` with an error
+naming what it asked for, instead of half-starting. With GPUs, the workers of a node
+all see the node's learner GPUs (``CUDA_VISIBLE_DEVICES`` = their ids together, as Ray
+Train sets it) so that NCCL can go peer-to-peer, and each drives its own.
+
+Commands. Every method sends one command to every rank through one dispatch point
+(``LearnerGroup._call``) and gets a :class:`LearnerCall`: one ObjectRef per rank. An
+actor runs its calls in the order they were sent, so every rank runs the same sequence
+of commands, which the collectives inside them (gradient all-reduce, FSDP gathers)
+need. :meth:`LearnerGroup.submit_train` returns at once: Ray resolves the chunk refs it
+is given inside every worker (the driver never fetches a batch), each rank concatenates
+them into the step's batch and trains on its share of every mini-batch. The loss is
+normalized over the whole mini-batch (:mod:`ray_credit.actors.learner`), so the update
+equals one worker's on the same data up to float rounding.
+
+Errors. :meth:`LearnerCall.result` waits on every rank and raises
+:class:`LearnerWorkerError` as soon as one fails or dies (not only once rank 0 is
+done), naming the rank and the command and carrying the worker's traceback; past its
+timeout it raises :class:`TimeoutError` naming the command. After an error a rank may
+still wait in a collective for the others: shut the group down and resume from the last
+checkpoint.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
-import traceback
-from collections.abc import Mapping
+import datetime
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from ray_credit.actors.learner import LearnerConfig
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-__all__ = ["LearnerGroup", "LearnerWorkerError"]
+from ray_credit.actors.learner import Learner, LearnerConfig, TorchDistributed, TorchFSDP
+from ray_credit.batch import TrajectoryBatch
+
+__all__ = ["LearnerCall", "LearnerGroup", "LearnerWorkerError", "check_strategy"]
 
 
 class LearnerWorkerError(RuntimeError):
-    """A learner worker failed; the message carries its rank and traceback."""
-
-
-@dataclass
-class _Reply:
-    rank: int
-    value: Any = None
-    error: str | None = None
-
-
-class _Mailbox:
-    """Commands from the driver to every rank (in order), replies back (async actor)."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.commands: dict[int, tuple[str, Any]] = {}
-        self.replies: dict[int, dict[int, _Reply]] = {}
-        self.changed = asyncio.Condition()
-
-    async def command(self, step: int, op: str, payload: Any) -> None:
-        async with self.changed:
-            self.commands[step] = (op, payload)
-            self.changed.notify_all()
-
-    async def next_command(self, step: int) -> tuple[str, Any]:
-        async with self.changed:
-            await self.changed.wait_for(lambda: step in self.commands)
-            return self.commands[step]
-
-    async def reply(self, step: int, reply: _Reply) -> None:
-        async with self.changed:
-            self.replies.setdefault(step, {})[reply.rank] = reply
-            if len(self.replies[step]) == self.world_size:
-                self.commands.pop(step, None)
-            self.changed.notify_all()
-
-    async def wait_replies(self, step: int) -> list[_Reply]:
-        async with self.changed:
-            await self.changed.wait_for(
-                lambda: (
-                    len(self.replies.get(step, {})) == self.world_size
-                    or any(r.error for r in self.replies.get(step, {}).values())
-                )
-            )
-            replies = self.replies.pop(step) if step in self.replies else {}
-            return [replies[r] for r in sorted(replies)]
-
-
-def _worker_loop(cfg: Mapping[str, Any]) -> None:
-    """Runs on every Ray Train worker: build the replica, then serve commands until stop."""
-    import ray
-    import ray.train
-    import ray.train.torch
-
-    from ray_credit.actors.learner import Learner, TorchDistributed, TorchFSDP
-
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
-    mailbox = cfg["mailbox"]
-    step = 0
-    try:
-        device = str(ray.train.torch.get_device())
-        world = TorchFSDP() if cfg.get("strategy") == "fsdp" else TorchDistributed()
-        learner = Learner(cfg["model"], cfg["config"], device=device, world=world)
-        if cfg.get("resume_from"):
-            learner.load_state(cfg["resume_from"])
-    except Exception:
-        ray.get(mailbox.reply.remote(step, _Reply(rank, error=traceback.format_exc())))
-        raise
-    ray.get(mailbox.reply.remote(step, _Reply(rank, value="ready")))
-    step += 1
-    while True:
-        op, payload = ray.get(mailbox.next_command.remote(step))
-        if op == "stop":
-            ray.get(mailbox.reply.remote(step, _Reply(rank, value="stopped")))
-            return
-        try:
-            if op == "train":
-                batch = ray.get(payload[0])
-                value = learner.train(batch)  # each rank trains on its share
-            elif op == "weights":  # every rank: FSDP gathers the shards at rank 0
-                weights = learner.get_weights()
-                value = [ray.put(weights)] if rank == 0 else None
-            elif op == "save":  # every rank takes part, rank 0 writes
-                path = str(learner.save(payload))
-                value = path if rank == 0 else None
-            elif op == "version":
-                value = learner.policy_version
-            elif op == "open_weight_group":
-                value = learner.open_weight_group(*payload)
-            elif op == "weight_manifest":
-                value = learner.weight_manifest() if rank == 0 else None
-            elif op == "join_weight_group":
-                value = learner.join_weight_group(*payload)
-            elif op == "broadcast":  # every rank: FSDP gathers, rank 0 sends
-                value = learner.broadcast_weights()
-            else:
-                raise ValueError(f"unknown learner command {op!r}")
-        except Exception:
-            ray.get(mailbox.reply.remote(step, _Reply(rank, error=traceback.format_exc())))
-            raise
-        ray.get(mailbox.reply.remote(step, _Reply(rank, value=value)))
-        step += 1
+    """A learner rank failed or died; the message names the rank and the command."""
 
 
 def check_strategy(strategy: str) -> None:
@@ -140,20 +66,87 @@ def check_strategy(strategy: str) -> None:
         raise ValueError(f"learner strategy must be 'ddp' or 'fsdp', got {strategy!r}")
 
 
+@dataclass(frozen=True)
+class LearnerCall:
+    """One command running on every rank of a :class:`LearnerGroup`.
+
+    Attributes:
+        refs: one ObjectRef per rank, in rank order (for the caller's ``ray.wait``).
+        what: the command's name, for errors.
+        group: the group's name, for errors.
+    """
+
+    refs: tuple[ray.ObjectRef, ...]
+    what: str
+    group: str = "learner"
+
+    def ready(self) -> bool:
+        """Whether every rank has finished (well or not); never blocks."""
+        done, _ = ray.wait(
+            list(self.refs), num_returns=len(self.refs), timeout=0, fetch_local=False
+        )
+        return len(done) == len(self.refs)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's value once every rank has finished; raises as :meth:`results` does."""
+        return self.results(timeout)[0]
+
+    def results(self, timeout: float | None = None) -> list[Any]:
+        """Every rank's value, in rank order, once all have finished.
+
+        Raises:
+            LearnerWorkerError: as soon as any rank has failed or died.
+            TimeoutError: not all ranks finished within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rank_of = {ref: rank for rank, ref in enumerate(self.refs)}
+        values: dict[int, Any] = {}
+        pending = list(self.refs)
+        while pending:  # one finished rank at a time, so that a failure is seen early
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                raise TimeoutError(
+                    f"{self.group} command {self.what!r} did not finish within {timeout:g} s "
+                    f"(ranks {sorted(rank_of[ref] for ref in pending)} still running)"
+                )
+            for ref in done:
+                values[rank_of[ref]] = self._value(rank_of[ref])
+        return [values[rank] for rank in range(len(self.refs))]
+
+    def _value(self, rank: int) -> Any:
+        try:
+            return ray.get(self.refs[rank])
+        except ray.exceptions.RayActorError as err:
+            raise LearnerWorkerError(
+                f"{self.group} rank {rank} died during {self.what!r} (shut the group down "
+                f"and resume from the last checkpoint): {err}"
+            ) from err
+        except ray.exceptions.RayTaskError as err:
+            raise LearnerWorkerError(
+                f"{self.group} rank {rank} failed during {self.what!r}:\n{err}"
+            ) from err
+
+
 class LearnerGroup:
-    """One learner, or ``num_workers`` data-parallel replicas under Ray Train.
+    """``num_workers`` data-parallel learner ranks (Ray actors) driven as one learner.
 
     Args:
         model: what :class:`~ray_credit.actors.learner.Learner` takes (a name or folder).
-        config: :class:`LearnerConfig`.
-        num_workers: 1 = one actor; more = a ``TorchTrainer`` with ``strategy``.
-        use_gpu: one GPU per worker (NCCL); else CPU (gloo).
+        config: :class:`~ray_credit.actors.learner.LearnerConfig`.
+        num_workers: ranks; 1 is a single learner without a process group.
+        use_gpu: one GPU per worker (NCCL between them); else CPUs (gloo).
+        resources_per_worker: what each worker reserves, e.g. ``{"CPU": 2}`` (default one
+            CPU), with custom resources to pin learner nodes; a ``"GPU"`` entry must be 1
+            with ``use_gpu`` (and absent without).
+        resume_from: a folder written by :meth:`save`: the model is loaded from its
+            ``model/`` folder (instead of ``model``), the rest of the state from it.
+        timeout_s: the longest that starting the group, or any blocking command, may take
+            (also the process group's timeout for one collective).
+        name: the group's name in errors (``"learner rank 1 failed during 'train'"``).
         strategy: ``"ddp"`` (a full replica per worker) or ``"fsdp"`` (parameters,
             gradients and optimizer state sharded over the workers, FSDP2); the same
-            update either way. Only with ``num_workers > 1``.
-        resources_per_worker: e.g. ``{"CPU": 2}`` or custom resources to pin learner nodes.
-        resume_from: a folder written by :meth:`save`: the learner restarts from it.
-        timeout_s: the longest any command may take.
+            update either way. Used with ``num_workers > 1``.
     """
 
     def __init__(
@@ -164,198 +157,291 @@ class LearnerGroup:
         num_workers: int = 1,
         use_gpu: bool = False,
         resources_per_worker: Mapping[str, float] | None = None,
-        resume_from: str | None = None,
+        resume_from: str | os.PathLike[str] | None = None,
         timeout_s: float = 1800.0,
         name: str = "learner",
         strategy: str = "ddp",
     ) -> None:
-        import ray
-
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         check_strategy(strategy)
+        bundle = _worker_bundle(resources_per_worker, use_gpu=use_gpu)
         self.config = config or LearnerConfig()
         self.num_workers = num_workers
         self.timeout_s = timeout_s
-        self._ray = ray
+        self.name = name
+        self.strategy = strategy
+        self._settle_task = ray.remote(num_cpus=0, max_retries=0)(_settle)
+        self._workers: list[Any] = []
+        self._placement_group: PlacementGroup | None = None
         if resume_from is not None:
+            resume_from = str(Path(resume_from).absolute())  # the workers' cwd may differ
             model = f"{resume_from}/model"
-        resources = dict(resources_per_worker or {"CPU": 1})
-        if num_workers == 1:
-            from ray_credit.actors.learner import Learner
-
-            options = {
-                "num_cpus": resources.pop("CPU", 1),
-                "num_gpus": resources.pop("GPU", 1 if use_gpu else 0),
-                "resources": resources,
-            }
-            self._actor = (
-                ray.remote(Learner)
-                .options(**options)
-                .remote(model, self.config, device="cuda" if use_gpu else "cpu")
+        try:
+            self._placement_group = _reserve(bundle, num_workers, timeout_s=timeout_s, name=name)
+            self._workers = self._start_workers(bundle)
+            placements = self._call("placement").results(timeout_s)
+            setup = self._call(
+                "setup",
+                model,
+                self.config,
+                strategy=strategy,
+                placements=placements,
+                resume_from=resume_from,
+                timeout_s=timeout_s,
             )
-            if resume_from is not None:
-                self._get(self._actor.load_state.remote(resume_from), "resume")
-            self._get(self._actor.get_policy_version.remote(), "start")
-            return
+            setup.results(timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
 
-        from ray.train import RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
+    # ------------------------------------------------------------------ training
+    def submit_train(self, batches: Sequence[ray.ObjectRef]) -> LearnerCall:
+        """Start one policy update and return at once.
 
-        self._actor = None
-        self._mailbox = ray.remote(_Mailbox).options(num_cpus=0).remote(num_workers)
-        self._step = 0
-        trainer = TorchTrainer(
-            _worker_loop,
-            train_loop_config={
-                "model": model,
-                "config": self.config,
-                "mailbox": self._mailbox,
-                "resume_from": resume_from,
-                "strategy": strategy,
-            },
-            scaling_config=ScalingConfig(
-                num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources
-            ),
-            run_config=RunConfig(name=name),
-        )
-        self._fit_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._fit, args=(trainer,), daemon=True)
-        self._thread.start()
-        self._command(None, None, wait_for="start")  # step 0: every rank built its replica
-
-    # ----------------------------------------------------------------------- API
-    def train(self, batch: Any) -> dict[str, float]:
-        """One policy update on a batch (a TrajectoryBatch or an ObjectRef to one)."""
-        if self._actor is not None:
-            return self._get(self._actor.train.remote(batch), "train")
-        ref = batch if isinstance(batch, self._ray.ObjectRef) else self._ray.put(batch)
-        replies = self._command("train", [ref])
-        return replies[0].value
-
-    def weights(self) -> Any:
-        """An ObjectRef to the policy's full state dict (CPU tensors)."""
-        if self._actor is not None:
-            return self._actor.get_weights.remote()
-        return self._command("weights", None)[0].value[0]
-
-    def save(self, folder: str) -> str:
-        """Model, optimizer, scheduler, RNG states and counters (rank 0 writes)."""
-        if self._actor is not None:
-            return str(self._get(self._actor.save.remote(folder), "save"))
-        return self._command("save", str(folder))[0].value
-
-    # ------------------------------------------------ collective weight sync
-    def open_weight_group(self, world_size: int, backend: str) -> tuple[str, list]:
-        """Open the learner's side of a broadcast group (rank 0 sends); returns the
-        group's address and the weights' manifest (see ``ray_credit.pipeline.collective``)."""
-        if self._actor is not None:
-            address = self._get(
-                self._actor.open_weight_group.remote(world_size, backend, self.timeout_s),
-                "open_weight_group",
+        ``batches``: ObjectRefs to TrajectoryBatch chunks (or whole batches), trained as
+        one batch in the given order. They are resolved in every worker, never here.
+        """
+        refs = list(batches)
+        if not refs:
+            raise ValueError("submit_train needs at least one ObjectRef to a TrajectoryBatch")
+        if not all(isinstance(ref, ray.ObjectRef) for ref in refs):
+            kinds = sorted({type(ref).__name__ for ref in refs})
+            raise TypeError(
+                f"submit_train takes ObjectRefs to TrajectoryBatch chunks, got {kinds}: "
+                "ray.put the batch first, or call train(), which does"
             )
-            return address, self._get(self._actor.weight_manifest.remote(), "weight_manifest")
-        address = self._command("open_weight_group", (world_size, backend, self.timeout_s))
-        manifest = self._command("weight_manifest", None)
-        return address[0].value, manifest[0].value
+        return self._call("train_chunks", *refs, what="train")
 
-    def join_weight_group(self, address: str, manifest: list) -> Any:
-        """Join the group; returns an ObjectRef (joining waits for every member)."""
-        if self._actor is not None:
-            return self._actor.join_weight_group.remote(address, manifest)
-        return self._post("join_weight_group", (address, manifest))
-
-    def broadcast_weights(self) -> Any:
-        """Broadcast the current weights to the group; returns an ObjectRef."""
-        if self._actor is not None:
-            return self._actor.broadcast_weights.remote()
-        return self._post("broadcast", None)
-
-    @staticmethod
-    def check(value: Any) -> Any:
-        """The value of a ref from :meth:`join_weight_group` / :meth:`broadcast_weights`;
-        raises :class:`LearnerWorkerError` when a replica reported an error."""
-        if isinstance(value, list) and value and isinstance(value[0], _Reply):
-            errors = [r for r in value if r.error]
-            if errors:
-                raise LearnerWorkerError(
-                    f"learner rank {errors[0].rank} failed:\n{errors[0].error}"
-                )
-            return value[0].value
-        return value
-
-    def _post(self, op: str, payload: Any) -> Any:
-        """Send a command to every replica without waiting; returns the replies' ref."""
-        if self._fit_error is not None or not self._thread.is_alive():
-            raise LearnerWorkerError(f"the learner group has stopped: {self._fit_error!r}")
-        step = self._step
-        self._get(self._mailbox.command.remote(step, op, payload), op)
-        self._step += 1
-        return self._mailbox.wait_replies.remote(step)
+    def train(
+        self, batches: TrajectoryBatch | ray.ObjectRef | Sequence[TrajectoryBatch | ray.ObjectRef]
+    ) -> dict[str, float]:
+        """One policy update, waited for: :meth:`submit_train` on one batch, one ObjectRef
+        or a sequence of either (batches are put in the object store first)."""
+        if isinstance(batches, TrajectoryBatch | ray.ObjectRef):
+            batches = [batches]
+        refs = [part if isinstance(part, ray.ObjectRef) else ray.put(part) for part in batches]
+        return self.submit_train(refs).result(self.timeout_s)
 
     @property
     def policy_version(self) -> int:
-        if self._actor is not None:
-            return int(self._get(self._actor.get_policy_version.remote(), "version"))
-        versions = {r.value for r in self._command("version", None)}
-        if len(versions) != 1:
-            raise LearnerWorkerError(f"learner replicas disagree on the policy version: {versions}")
-        return versions.pop()
+        """Updates applied so far; every rank must agree (else :class:`LearnerWorkerError`)."""
+        versions = self._call("get_policy_version", what="policy_version").results(self.timeout_s)
+        if len(set(versions)) != 1:
+            raise LearnerWorkerError(
+                f"{self.name} ranks disagree on the policy version (by rank: {versions}); "
+                "they no longer train in step: shut the group down and resume from a checkpoint"
+            )
+        return versions[0]
+
+    # ------------------------------------------------------- weights, checkpoints
+    def weights(self) -> ray.ObjectRef:
+        """An ObjectRef to the policy's full state dict (CPU tensors), without waiting.
+
+        Every rank takes part (FSDP gathers the shards at rank 0); the ref is rank 0's
+        value, so a rank that fails during an FSDP gather fails it too."""
+        return self._call("get_weights").refs[0]
+
+    def save(self, folder: str | os.PathLike[str]) -> str:
+        """Model, optimizer, scheduler, RNG states and counters under ``folder`` (every
+        rank takes part, rank 0 writes); returns the folder as an absolute path."""
+        folder = str(Path(folder).absolute())  # the workers' cwd may differ
+        return str(self._call("save", folder).result(self.timeout_s))
+
+    # ------------------------------------------------------ collective weight sync
+    def open_weight_group(self, world_size: int, backend: str) -> tuple[str, list]:
+        """Open the learner's side of a broadcast group (rank 0 sends); returns the group's
+        address and the weights' manifest (see :mod:`ray_credit.pipeline.collective`)."""
+        address = self._call("open_weight_group", world_size, backend, self.timeout_s)
+        manifest = self._call("weight_manifest")
+        return address.result(self.timeout_s), manifest.result(self.timeout_s)
+
+    def join_weight_group(self, address: str, manifest: list) -> ray.ObjectRef:
+        """Join the group (rank 0 as the sender); returns an ObjectRef for :meth:`check`
+        (joining waits for every member, so it cannot be waited on here)."""
+        return self._settled(self._call("join_weight_group", address, manifest))
+
+    def broadcast_weights(self) -> ray.ObjectRef:
+        """Broadcast the current weights to the group (every rank takes part: FSDP gathers
+        them, rank 0 sends); returns an ObjectRef for :meth:`check`."""
+        return self._settled(self._call("broadcast_weights"))
+
+    @staticmethod
+    def check(value: Any) -> Any:
+        """The value of a ref from :meth:`join_weight_group` or :meth:`broadcast_weights`
+        (rank 0's result); raises the :class:`LearnerWorkerError` of a rank that failed."""
+        if isinstance(value, LearnerWorkerError):
+            raise value
+        return value
 
     def shutdown(self) -> None:
-        """Stop the workers (the group cannot be used afterwards)."""
-        if self._actor is not None:
-            self._ray.kill(self._actor)
-            self._actor = None
-            return
-        if self._thread.is_alive() and self._fit_error is None:
-            # the workers may already have ended (after a failure): nothing left to stop
-            with contextlib.suppress(LearnerWorkerError):
-                self._command("stop", None)
-        self._thread.join(timeout=self.timeout_s)
+        """Stop the workers and free their reservation; the group cannot be used after."""
+        for worker in self._workers:
+            ray.kill(worker)
+        self._workers = []
+        if self._placement_group is not None:
+            remove_placement_group(self._placement_group)
+            self._placement_group = None
 
-    # ------------------------------------------------------------------ plumbing
-    def _fit(self, trainer: Any) -> None:
-        try:
-            trainer.fit()
-        except BaseException as err:  # reported by the next command
-            self._fit_error = err
+    # ----------------------------------------------------------------- plumbing
+    def _call(
+        self, method: str, /, *args: Any, what: str | None = None, **kwargs: Any
+    ) -> LearnerCall:
+        """Call ``method`` on every rank, without waiting: the one dispatch point."""
+        if not self._workers:
+            raise RuntimeError(f"{self.name} was shut down; make a new LearnerGroup")
+        refs = tuple(getattr(worker, method).remote(*args, **kwargs) for worker in self._workers)
+        return LearnerCall(refs, what or method, self.name)
 
-    def _get(self, ref: Any, what: str) -> Any:
-        try:
-            return self._ray.get(ref, timeout=self.timeout_s)
-        except self._ray.exceptions.GetTimeoutError:
-            raise TimeoutError(
-                f"learner command {what!r} did not finish within {self.timeout_s:.0f} s"
-            ) from None
+    def _settled(self, call: LearnerCall) -> ray.ObjectRef:
+        """One ref for ``call`` on the whole group: rank 0's value once every rank has
+        finished, or the first failed rank's error as its value (see :meth:`check`)."""
+        return self._settle_task.remote(call, self.timeout_s)
 
-    def _command(self, op: str | None, payload: Any, wait_for: str | None = None) -> list[_Reply]:
-        step = self._step
-        what = wait_for or op
-        if op is not None:
-            if self._fit_error is not None or not self._thread.is_alive():
-                raise LearnerWorkerError(f"the learner group has stopped: {self._fit_error!r}")
-            self._get(self._mailbox.command.remote(step, op, payload), what)
-        pending = self._mailbox.wait_replies.remote(step)
-        deadline_s, waited = self.timeout_s, 0.0
-        while True:  # poll so a crashed trainer is noticed before the timeout
-            ready, _ = self._ray.wait([pending], timeout=5.0)
-            if ready:
-                break
-            waited += 5.0
-            if not self._thread.is_alive():
-                raise LearnerWorkerError(
-                    f"the learner group stopped during {what!r}: {self._fit_error!r}"
-                )
-            if waited >= deadline_s:
-                raise TimeoutError(
-                    f"learner command {what!r} did not finish within {self.timeout_s:.0f} s"
-                )
-        replies = self._ray.get(pending)
-        self._step += 1
-        errors = [r for r in replies if r.error]
-        if errors:
-            raise LearnerWorkerError(
-                f"learner rank {errors[0].rank} failed during {what!r}:\n{errors[0].error}"
+    def _start_workers(self, bundle: Mapping[str, float]) -> list[Any]:
+        """One actor per bundle of the placement group; each builds nothing yet."""
+        actor = ray.remote(_LearnerWorker)
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        return [
+            actor.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                resources=custom,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement_group, placement_group_bundle_index=rank
+                ),
+            ).remote(rank=rank, world_size=self.num_workers)
+            for rank in range(self.num_workers)
+        ]
+
+
+def _settle(call: LearnerCall, timeout_s: float) -> Any:
+    """Runs as a Ray task: rank 0's value of ``call`` once every rank has finished, or
+    the :class:`LearnerWorkerError` of the rank that failed, returned (not raised) so
+    that :meth:`LearnerGroup.check` raises it without Ray's task traceback around it."""
+    try:
+        return call.result(timeout_s)
+    except LearnerWorkerError as err:
+        return err
+
+
+def _worker_bundle(resources: Mapping[str, float] | None, *, use_gpu: bool) -> dict[str, float]:
+    """What one worker reserves: one CPU unless told, one GPU with ``use_gpu``, and the
+    custom resources asked for."""
+    bundle = {"CPU": 1.0, **(resources or {})}
+    gpus = bundle.pop("GPU", 1 if use_gpu else 0)
+    if gpus != (1 if use_gpu else 0):
+        raise ValueError(
+            f"a learner worker drives one GPU with use_gpu=True and none without; "
+            f"resources_per_worker asks for GPU={gpus} with use_gpu={use_gpu}"
+        )
+    return {**bundle, "GPU": 1.0} if use_gpu else bundle
+
+
+def _reserve(
+    bundle: Mapping[str, float], count: int, *, timeout_s: float, name: str
+) -> PlacementGroup:
+    """A placement group of ``count`` bundles, packed; raises unless it is placed within
+    ``timeout_s``, so that a group too big for the cluster fails before any worker."""
+    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"{name}: the cluster could not place {count} worker(s) of {dict(bundle)} each "
+            f"within {timeout_s:g} s (it has {ray.cluster_resources()} in all, "
+            f"{ray.available_resources()} free); lower num_workers or resources_per_worker, "
+            "or add nodes"
+        )
+    return group
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a rank runs: its node, its GPUs, and a free ``host:port`` on its node (rank
+    0's hosts the process group's rendezvous)."""
+
+    node_id: str
+    gpu_ids: tuple[str, ...]
+    address: str
+
+
+class _LearnerWorker(Learner):
+    """One rank of a :class:`LearnerGroup`: a Learner built by :meth:`setup`, after this
+    process joined the group's process group (DDP and FSDP wrap the model over it)."""
+
+    def __init__(self, *, rank: int, world_size: int) -> None:  # the Learner: see setup()
+        self._rank = rank
+        self._world_size = world_size
+
+    def placement(self) -> _Placement:
+        """Where this rank runs, gathered from every rank before :meth:`setup`."""
+        with socket.socket() as sock:  # a port free now; rank 0 binds it again at once
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return _Placement(
+            node_id=ray.get_runtime_context().get_node_id(),
+            gpu_ids=tuple(str(gpu) for gpu in ray.get_gpu_ids()),
+            address=f"{ray.util.get_node_ip_address()}:{port}",
+        )
+
+    def setup(
+        self,
+        model: str,
+        config: LearnerConfig,
+        *,
+        strategy: str,
+        placements: list[_Placement],
+        resume_from: str | None,
+        timeout_s: float,
+    ) -> None:
+        """Join the process group (more than one rank), build the Learner, resume."""
+        device = _claim_device(placements, self._rank)
+        world = None
+        if self._world_size > 1:
+            _join_process_group(
+                placements[0].address,
+                rank=self._rank,
+                world_size=self._world_size,
+                backend="gloo" if device == "cpu" else "nccl",
+                timeout_s=timeout_s,
             )
-        return replies
+            world = TorchFSDP() if strategy == "fsdp" else TorchDistributed()
+        super().__init__(model, config, device=device, world=world)
+        if resume_from is not None:
+            self.load_state(resume_from)
+
+    def train_chunks(self, *chunks: TrajectoryBatch) -> dict[str, float]:
+        """One update on the chunks as one batch (Ray fetched them into this process)."""
+        return self.train(TrajectoryBatch.concat(chunks))
+
+
+def _claim_device(placements: Sequence[_Placement], rank: int) -> str:
+    """``"cpu"``, or rank ``rank``'s GPU as ``cuda:<i>``. Every learner GPU of its node is
+    made visible first, in one order on every rank (as Ray Train does), so that NCCL can
+    use peer-to-peer between them; this must run before CUDA is initialized."""
+    own = placements[rank]
+    if not own.gpu_ids:
+        return "cpu"
+    import torch
+
+    visible = sorted({gpu for p in placements if p.node_id == own.node_id for gpu in p.gpu_ids})
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
+    index = visible.index(own.gpu_ids[0])
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def _join_process_group(
+    address: str, *, rank: int, world_size: int, backend: str, timeout_s: float
+) -> None:
+    """Join the group's ``torch.distributed`` process group (waits for every rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

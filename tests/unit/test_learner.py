@@ -3,6 +3,9 @@ off-policy corrections, non-finite gradients, schedules and checkpoints."""
 
 from __future__ import annotations
 
+import pickle
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -193,10 +196,54 @@ def test_checkpoint_resumes_the_same_trajectory_of_updates(batch, tmp_path):
             tmp_path / "ckpt"
         )
     (tmp_path / "ckpt" / "learner_state.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable learner checkpoint"):
+    with pytest.raises(ValueError, match="learner_state.pt is not a learner checkpoint"):
         resumed.load_state(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match="not a learner checkpoint folder"):
         resumed.load_state(tmp_path)
+
+
+class _Planted:
+    """Unpickling it creates ``path``: what a crafted checkpoint could do instead."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize(
+    ("write", "unpickle"),
+    [
+        (torch.save, partial(torch.load, weights_only=False)),
+        (partial(pickle.dump, protocol=2), pickle.load),
+    ],
+    ids=["torch.save", "pickle.dump"],
+)
+def test_checkpoint_that_would_run_code_is_refused_unread(tmp_path, write, unpickle):
+    learner = _learner(LearnerConfig(lr=1e-3, kl_coef=0.1))
+    learner.save(tmp_path / "ckpt")
+    state_file = tmp_path / "ckpt" / "learner_state.pt"
+    state = torch.load(state_file, weights_only=True)  # what save writes loads safely
+    planted = tmp_path / "planted"
+    state["counters"] = _Planted(planted)
+    with state_file.open("wb") as f:
+        write(state, f)
+
+    with pytest.raises(ValueError, match=r"learner_state.pt is not a learner checkpoint"):
+        learner.load_state(tmp_path / "ckpt")
+    assert not planted.exists()
+    with state_file.open("rb") as f:
+        unpickle(f)  # the file is live: a full unpickle runs it
+    assert planted.exists()
+
+
+def test_dtype_holds_the_policy_and_the_reference():
+    learner = Learner("tiny-random", LearnerConfig(lr=1e-3, kl_coef=0.1, dtype="bfloat16"))
+    assert {p.dtype for p in learner.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in learner.reference.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LearnerConfig(dtype="bf16")
 
 
 def test_temperature_matches_the_generators_behavior_logprobs():
