@@ -68,6 +68,9 @@ _STYLES = {
 }
 
 
+RETRIEVAL_TIMEOUT_S = 120.0
+"""Default longest wait for one retrieval call through a Ray actor."""
+
 COUNTERS = (
     "invalid_actions",
     "truncated_turns",
@@ -203,7 +206,7 @@ class Generator:
         max_batch_size: int = 64,
         kv_reuse_gb: float = 2.0,
         name: str | None = None,
-        retrieval_timeout_s: float = 120.0,
+        retrieval_timeout_s: float = RETRIEVAL_TIMEOUT_S,
         **vllm_kwargs: Any,
     ):
         if retriever is None:
@@ -350,6 +353,18 @@ class Generator:
         for key, value in _sampler_stats(self.sampler).items():
             counts[key] = value - stats_before.get(key, 0)
         return self._to_batch(rollouts, counts, time.perf_counter() - start)
+
+    def generate_chunk(
+        self, questions: Sequence[Mapping[str, Any]]
+    ) -> tuple[TrajectoryBatch, dict[str, Any]]:
+        """:meth:`generate`, plus the small summary the pipeline's driver reads instead of
+        the batch (its ``gen/*`` counters and the oldest policy version of each
+        trajectory; :func:`ray_credit.pipeline.report.generation_summary`). Call it with
+        ``num_returns=2`` so the two travel as separate objects."""
+        from ray_credit.pipeline.report import generation_summary
+
+        batch = self.generate(questions)
+        return batch, generation_summary(batch)
 
     # ------------------------------------------------------------------ steps
     def _start(self, questions, size: int, call: str) -> list[_Rollout]:

@@ -1,41 +1,62 @@
-"""The asynchronous training loop: generators run ahead of the learner, within a hard
-staleness bound, through the object store.
+"""The asynchronous training loop: generators run ahead of the learner within a hard
+staleness bound, every chunk goes through its stages as soon as it is generated, and the
+driver holds object references and small summaries, never a batch.
 
-Data. The training questions form an endless stream: epoch ``e`` is a seeded
-permutation of the question list, and group ``i`` of the stream is one question rolled
-out ``G`` times. Step ``k`` trains exactly groups ``[k*B, (k+1)*B)`` (``B`` =
-``groups_per_step``), in stream order whatever order generations finish in, so a run is
-a pure function of its seed and a checkpoint's data cursor is one integer.
+Data. The training questions form an endless stream: epoch ``e`` is a seeded permutation
+of the question list, and group ``i`` of the stream is one question rolled out ``G``
+times. Step ``k`` trains exactly groups ``[k*B, (k+1)*B)`` (``B`` = ``groups_per_step``),
+in stream order whatever order generations finish in, so a run is a pure function of its
+seed and a checkpoint's data cursor is one integer.
 
-Admission control (DESIGN.md section 6). Groups are dispatched to idle generators in
-chunks of ``chunk_groups``; a chunk whose last group is ``j`` starts only while
-``j < (max_staleness + version + 1) * B``, ``version`` being the learner's. Group ``j``
-is trained at step ``j // B`` and was generated with weights of version ``>= version at
-dispatch``, so its staleness at training is at most ``max_staleness``: a hard bound that
-the loop also checks on every trajectory (per-turn version tags) and raises on, rather
-than trusting arithmetic. ``max_staleness = 0`` is synchronous on-policy training.
-Nothing is discarded: admission delays a group instead.
+The flow of one chunk (``chunk_groups`` groups, never straddling a step)::
+
+    generator.generate_chunk  ->  (batch ref, summary)           driver reads the summary
+    stage task: every stage   ->  (staged batch ref, report)     driver reads the report
+    learner.submit_train(the step's staged refs)                 every rank fetches them
+
+Stages (judges, the info-gain scorer, the estimator, any ``batch -> batch`` function) run
+in one Ray task per chunk, started the moment the chunk is generated, so they overlap the
+learner's current step the way generation does; a chunk holds whole groups, so a
+group-local estimator gives the same advantages per chunk as per step. ``step_stages``
+(for an estimator that is not group-local) run once per step, on the step's chunks
+together, in a task. The driver submits work and reacts to what finishes; it never waits
+on the learner while there is something to dispatch or stage.
+
+Admission control (DESIGN.md section 6). A chunk whose last group is ``j`` starts only
+while ``j < (max_staleness + version + 1) * B``, ``version`` being the learner's. Group
+``j`` is trained at step ``j // B`` and was generated with weights of version ``>=
+version at dispatch``, so its staleness at training is at most ``max_staleness``: a hard
+bound that the loop also checks on the data (the oldest turn version of every
+trajectory, in each chunk's summary) before every update, and raises on, rather than
+trusting arithmetic. ``max_staleness = 0`` is synchronous on-policy training. Nothing is
+discarded: admission delays a group instead.
 
 Failures. A generator whose process dies loses its call, not the run: the chunk goes
 back to the front of the queue for the next idle generator. Ray restarts the actor when
 it was made with ``max_restarts`` (it comes back on the base weights, so the current ones
 are re-sent before it gets work); one that is gone for good leaves the pool, and the run
 goes on with the others. Every such event is counted (``pipeline/generator_failures``,
-``pipeline/generators_lost``, ``pipeline/chunks_redone``, ``sync/resyncs``). The
-retriever and the judges retry their own calls (see the generator and the judge pool).
+``pipeline/generators_lost``, ``pipeline/chunks_redone``, ``sync/resyncs``). A stage that
+fails stops the run with an error naming the stage and the chunk's groups (the judge
+pool retries its own actors; the retriever is retried by the generators).
 
-Backpressure. At most ``(max_staleness + 1) * B`` groups exist beyond the trained
-ones (in flight or buffered), each generator runs one chunk at a time, the weight
-publisher has one publication in flight. Every wait has a timeout.
+Backpressure. At most ``(max_staleness + 1) * B`` groups exist beyond the trained ones
+(in flight, staging or ready), each generator has at most two chunks in flight (one
+running, the next queued behind it), the learner one step, the weight publisher one
+publication. Every wait has a timeout.
 
-Stages. ``stages`` is a list of callables ``batch -> batch`` run in order on every
-training batch before the learner (judge, info-gain scorer, estimator, any user
-function); :func:`actor_stage` wraps an actor method. Each stage's seconds are in the
-metrics.
+Metrics (per step, see :mod:`ray_credit.pipeline.report`): generation, staleness, every
+stage's metrics and seconds (``time/stage_<name>_s``, summed over the step's chunks),
+outcomes, the learner's, and where the learner's time went: ``time/train_s``,
+``time/wait_generation_s`` (idle, the step's chunks still generating),
+``time/wait_stages_s`` (idle, generated but still in their stages), ``time/stages_s``
+(the stage tasks' seconds, from submission to their report, summed over the step's
+chunks) and ``time/stages_hidden_s`` (the part of those that overlapped training).
 
 Checkpoints. :meth:`Pipeline.save` writes the learner (model, optimizer, scheduler, RNG,
-version) and ``pipeline.json`` (step, seed, data cursor) with every generated chunk that
-is not trained yet (Arrow IPC). :meth:`Pipeline.run` resumed from it regenerates only the
+version) and ``pipeline.json`` (step, seed, data cursor) with every generated chunk not
+trained yet (Arrow IPC, written by a task on the driver's node, with its summary).
+:meth:`Pipeline.run` resumed from it stages those chunks again and regenerates only the
 chunks that were in flight, so no group is lost or trained twice.
 """
 
@@ -46,19 +67,22 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ray_credit.actors.generator import COUNTERS
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.pipeline.report import chunk_report, staleness_of, step_metrics
 
-__all__ = ["Pipeline", "PipelineConfig", "actor_stage", "estimator_stage"]
+__all__ = ["Pipeline", "PipelineConfig", "StageError", "actor_stage", "estimator_stage"]
 
 _STATE_FILE = "pipeline.json"
 _BUFFER_DIR = "buffer"
+_QUEUE_DEPTH = 2
+"""Chunks in flight per generator: the next is queued behind the one running, so a
+generator never idles while the driver hands out its next chunk."""
 
 
 @dataclass(frozen=True)
@@ -72,12 +96,15 @@ class PipelineConfig:
     max_staleness: int = 1
     """How many policy versions a trained turn may lag the learner (0: synchronous)."""
     chunk_groups: int | None = None
-    """Groups per generate call (default: ``groups_per_step`` split evenly over the
-    generators, at least 1)."""
+    """Groups per generate call, the unit that streams through the stages (default:
+    groups_per_step split evenly over the generators, at least 1). Smaller chunks start
+    their stages sooner, so less of the stages' time is left when the step's last chunk
+    arrives."""
     seed: int = 0
     """Seed of the question order."""
     timeout_s: float = 1800.0
-    """Longest wait for one generate call, stage, learner update or weight publication."""
+    """Longest wait for one generate call, chunk's stages, learner update or weight
+    publication."""
     checkpoint_every: int = 0
     """Save every this many steps into ``checkpoint_dir`` (0: only at the end)."""
     checkpoint_dir: str | None = None
@@ -85,6 +112,9 @@ class PipelineConfig:
     weight_sync: str = "object_store"
     """How weights reach the generators: 'object_store' (everywhere; survives generator
     restarts), 'nccl' (a broadcast between GPUs) or 'gloo' (the same broadcast on CPUs)."""
+    stage_cpus: float = 0.0
+    """CPUs each chunk's stage task asks Ray for (it mostly waits on judge and scorer
+    actors; the estimator takes milliseconds)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups_per_step"):
@@ -107,10 +137,17 @@ class PipelineConfig:
             raise ValueError(
                 f"weight_sync must be 'object_store', 'nccl' or 'gloo', got {self.weight_sync!r}"
             )
+        if self.stage_cpus < 0:
+            raise ValueError(f"stage_cpus must be >= 0, got {self.stage_cpus}")
+
+
+class StageError(RuntimeError):
+    """A stage failed on a chunk; the message names the stage and the chunk's groups."""
 
 
 def actor_stage(method: Any, *, name: str | None = None, timeout_s: float = 1800.0) -> Callable:
-    """A stage that calls an actor method (``actor.score``) on the batch and waits for it."""
+    """A stage that calls an actor method (``actor.score``) on the batch and waits for it
+    (from the stage task, so the batch goes worker to actor through the object store)."""
 
     def stage(batch: TrajectoryBatch) -> TrajectoryBatch:
         import ray
@@ -122,7 +159,8 @@ def actor_stage(method: Any, *, name: str | None = None, timeout_s: float = 1800
 
 
 def estimator_stage(estimator: str | Callable, **params: Any) -> Callable:
-    """A stage that runs a registered estimator (by name) or an ``Estimator`` object."""
+    """A stage that runs a registered estimator (by name) or an ``Estimator`` object.
+    Its ``group_local`` says whether it may run per chunk (see :class:`Pipeline`)."""
     from ray_credit.estimators import get_estimator
 
     est = get_estimator(estimator) if isinstance(estimator, str) else estimator
@@ -131,33 +169,96 @@ def estimator_stage(estimator: str | Callable, **params: Any) -> Callable:
         return est(batch, **params)
 
     stage.__name__ = f"estimator_{getattr(est, 'name', 'custom')}"
+    stage.group_local = getattr(est, "group_local", True)
     return stage
+
+
+def _run_stages(stages: Sequence[Callable], batches: Sequence[Any]) -> tuple[Any, dict]:
+    """The stage task: fetch the chunk(s), run every stage, report (see the module)."""
+    import ray
+
+    fetched = ray.get(list(batches))
+    batch = fetched[0] if len(fetched) == 1 else TrajectoryBatch.concat(fetched)
+    seconds: dict[str, float] = {}
+    for stage in stages:
+        name = getattr(stage, "__name__", type(stage).__name__)
+        start = time.perf_counter()
+        try:
+            batch = stage(batch)
+        except Exception as err:
+            raise StageError(f"stage {name!r} failed: {type(err).__name__}: {err}") from err
+        if not isinstance(batch, TrajectoryBatch):
+            raise StageError(f"stage {name!r} returned {type(batch).__name__}, not a batch")
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+    return batch, chunk_report(batch, seconds)
+
+
+def _write_chunk(path: str, batches: Sequence[Any]) -> int:
+    import ray
+
+    data = ray.get(batches[0]).to_ipc()
+    Path(path).write_bytes(data.to_pybytes())
+    return data.size
+
+
+def _read_chunk(path: str) -> TrajectoryBatch:
+    return TrajectoryBatch.from_ipc(Path(path).read_bytes())
 
 
 @dataclass
 class _Chunk:
+    """One chunk's refs and the small things the driver knows of it."""
+
     start: int  # stream index of its first group
     size: int
-    generator: int
-    ref: Any = None
-    dispatched_version: int = 0
-    dispatched_at: float = 0.0
-    batch: TrajectoryBatch | None = None
+    generator: int = -1
+    epoch: int = 0  # of the generator when submitted (restarts it lived through)
+    batch: Any = None  # ref to the generated batch (kept until trained: checkpoints)
+    summary_ref: Any = None
+    summary: dict | None = None
+    staged: Any = None  # ref to the staged batch
+    report_ref: Any = None
+    report: dict | None = None
+    generated_at: float = 0.0
+    stage_started: float = 0.0
+    stage_seconds: float = 0.0  # stage task submitted -> its report seen by the driver
+
+    @property
+    def groups(self) -> str:
+        return f"[{self.start}, {self.start + self.size})"
+
+
+@dataclass
+class _Training:
+    """The step the learner is training."""
+
+    call: Any
+    chunks: list[_Chunk]
+    started: float
+    waited_generation: float
+    waited_stages: float
+    step_report: dict | None = None
+    step_refs: list = field(default_factory=list)
+    step_seconds: float = 0.0  # the step stages' task, submitted -> report seen
 
 
 class Pipeline:
-    """Generators ahead of a learner, stages in between, weights published back.
+    """Generators ahead of a learner, stages per chunk, weights published back.
 
     Args:
-        generators: generator actor handles (``generate(questions)`` ->
-            ``TrajectoryBatch``, ``update_weights(version, weights)``).
+        generators: generator actor handles (``generate_chunk(questions)`` -> ``(batch,
+            summary)`` with ``num_returns=2``, ``update_weights(version, weights)``,
+            ``get_policy_version()``; :class:`~ray_credit.actors.generator.Generator`).
         learner: a :class:`~ray_credit.actors.learner_group.LearnerGroup` (or anything
-            with ``train(batch) -> metrics``, ``weights()``, ``save(folder)`` and
-            ``policy_version``).
+            with ``submit_train(refs)`` returning a call with ``refs`` and ``result()``,
+            ``weights()``, ``save(folder)`` and ``policy_version``).
         questions: the training questions (mappings as ``Generator.generate`` takes).
-        stages: callables ``batch -> batch`` run in order before the learner; the last
-            must leave ``turn_advantages`` on the batch.
+        stages: callables ``batch -> batch`` run in order on every chunk (in a Ray task;
+            they must pickle); the last stage (or the last of ``step_stages``) must leave
+            ``turn_advantages`` on the batch.
         config: :class:`PipelineConfig`.
+        step_stages: callables run once per step on the step's chunks together, after
+            ``stages`` (an estimator whose statistics span groups).
         weight_targets: more actors to publish weights to (an info-gain scorer).
         resume_from: a checkpoint folder written by :meth:`save` (the learner must have
             been built from the same folder: ``LearnerGroup(resume_from=...)``).
@@ -172,23 +273,35 @@ class Pipeline:
         stages: Sequence[Callable[[TrajectoryBatch], TrajectoryBatch]],
         config: PipelineConfig | None = None,
         *,
+        step_stages: Sequence[Callable[[TrajectoryBatch], TrajectoryBatch]] = (),
         weight_targets: Sequence[Any] = (),
         resume_from: str | os.PathLike | None = None,
         on_step: Callable[[dict[str, float]], None] | None = None,
     ):
+        import ray
+
         from ray_credit.pipeline.weights import CollectivePublisher, WeightPublisher
 
         if not generators:
             raise ValueError("Pipeline needs at least one generator actor")
         if not questions:
             raise ValueError("Pipeline needs at least one training question")
-        self.config = config or PipelineConfig()
+        for stage in stages:
+            if getattr(stage, "group_local", True) is False:
+                raise ValueError(
+                    f"stage {stage.__name__!r} is not group-local: its statistics span "
+                    "groups, so it cannot run per chunk; pass it in step_stages"
+                )
+        self.config = cfg = config or PipelineConfig()
         self.generators = list(generators)
         self.learner = learner
         self.questions = list(questions)
-        self.stages = list(stages)
         self.on_step = on_step
-        cfg = self.config
+        self._stages = ray.put(list(stages))  # pickled once, fetched by every stage task
+        self._step_stages = ray.put(list(step_stages)) if step_stages else None
+        # Ray retries a stage task whose worker died (judge calls are idempotent); an
+        # exception a stage raises is not retried.
+        self._stage_task = ray.remote(_run_stages).options(num_returns=2, num_cpus=cfg.stage_cpus)
         self.chunk = cfg.chunk_groups or max(1, math.ceil(cfg.groups_per_step / len(generators)))
         targets = [*self.generators, *weight_targets]
         names = [f"generator{i}" for i in range(len(self.generators))] + [
@@ -209,16 +322,18 @@ class Pipeline:
         self.step = 0
         self.version = int(learner.policy_version)
         self._next = 0  # stream index of the next group to dispatch
-        self._chunks: dict[int, _Chunk] = {}  # by start index: in flight or done, not trained
-        self._idle = list(range(len(self.generators)))
+        self._chunks: dict[int, _Chunk] = {}  # by start index: not trained yet
+        self._queued = [0] * len(self.generators)  # chunks in flight per generator
+        self._epoch = [0] * len(self.generators)  # deaths handled per generator
         self._redo: list[_Chunk] = []  # lost with their generator, to dispatch first
         self._lost: set[int] = set()
+        self._training: _Training | None = None
+        self._orders: dict[int, np.ndarray] = {}
         self.failures = {
             "pipeline/generator_failures": 0.0,
             "pipeline/generators_lost": 0.0,
             "pipeline/chunks_redone": 0.0,
         }
-        self._orders: dict[int, np.ndarray] = {}
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[int] = []  # stream indices trained, in order (for checks)
         if resume_from is not None:
@@ -237,19 +352,13 @@ class Pipeline:
     # ----------------------------------------------------------------- the loop
     def run(self) -> list[dict[str, float]]:
         """Train until ``config.steps`` steps are done; return every step's metrics."""
-        cfg = self.config
-        while self.step < cfg.steps:
-            started = time.perf_counter()
-            waited = self._fill_step()
-            metrics = self._train_step(waited, started)
-            self.history.append(metrics)
-            if self.on_step is not None:
-                self.on_step(metrics)
-            if cfg.checkpoint_dir and (
-                self.step == cfg.steps
-                or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
-            ):
-                self.save(cfg.checkpoint_dir)
+        self._free_since = self._step_ended = time.perf_counter()
+        for chunk in self._chunks.values():  # restored from a checkpoint: stage them again
+            self._start_stages(chunk)
+        while self.step < self.config.steps:
+            self._dispatch()
+            self._start_training()
+            self._handle(self._wait())
         self._wait_publication()
         return self.history
 
@@ -258,76 +367,232 @@ class Pipeline:
         cfg = self.config
         return (cfg.max_staleness + self.version + 1) * cfg.groups_per_step
 
+    def _free_generator(self) -> int | None:
+        """The live generator with the fewest chunks in flight, if one has room."""
+        live = [g for g in range(len(self.generators)) if g not in self._lost]
+        g = min(live, key=self._queued.__getitem__, default=None)
+        return g if g is not None and self._queued[g] < _QUEUE_DEPTH else None
+
     def _submit(self, chunk: _Chunk, g: int) -> None:
         questions = [self.question_at(i) for i in range(chunk.start, chunk.start + chunk.size)]
-        chunk.generator, chunk.dispatched_version = g, self.version
-        chunk.ref = self.generators[g].generate.remote(questions)
-        chunk.dispatched_at = time.perf_counter()
+        chunk.generator, chunk.epoch = g, self._epoch[g]
+        self._queued[g] += 1
+        call = self.generators[g].generate_chunk.options(num_returns=2)
+        chunk.batch, chunk.summary_ref = call.remote(questions)
 
     def _dispatch(self) -> None:
-        while self._idle and self._redo:  # admitted already: versions only move forward
-            chunk = self._redo.pop(0)
-            self._submit(chunk, self._idle.pop(0))
+        while self._redo and (g := self._free_generator()) is not None:
+            self._submit(self._redo.pop(0), g)  # admitted already: versions only move forward
             self.failures["pipeline/chunks_redone"] += 1
         limit = self._admissible_end()
-        while self._idle:
+        while (g := self._free_generator()) is not None:
             while self._next in self._chunks:  # restored from a checkpoint: already generated
                 self._next += self._chunks[self._next].size
             if self._next >= limit:
                 return
             step_end = (self._next // self.config.groups_per_step + 1) * self.config.groups_per_step
             size = min(self.chunk, limit - self._next, step_end - self._next)  # never straddles
-            chunk = _Chunk(self._next, size, -1)
-            self._submit(chunk, self._idle.pop(0))
+            chunk = _Chunk(self._next, size)
+            self._submit(chunk, g)
             self._chunks[chunk.start] = chunk
             self._next += size
 
-    def _fill_step(self) -> float:
-        """Dispatch and collect until the next step's groups are all generated; return the
-        seconds spent waiting on generation."""
+    def _step_chunks(self) -> list[_Chunk]:
+        first = self.step * self.config.groups_per_step
+        end = first + self.config.groups_per_step
+        return [self._chunks[s] for s in sorted(self._chunks) if first <= s < end]
+
+    def _start_training(self) -> None:
+        """Start the learner on the current step once its chunks are all staged (and its
+        step stages done, when there are any)."""
+        if self._training is not None and self._training.call is not None:
+            return
+        chunks = self._step_chunks()
+        if sum(c.size for c in chunks) < self.config.groups_per_step or any(
+            c.report is None for c in chunks
+        ):
+            return
+        now = time.perf_counter()
+        if self._training is None:  # every chunk staged: the learner waited until now
+            generated = max(c.generated_at for c in chunks)
+            waited_gen = max(0.0, min(generated, now) - self._free_since)
+            self._training = _Training(None, chunks, now, waited_gen, 0.0)
+            if self._step_stages is not None:
+                staged = [c.staged for c in chunks]
+                batch, report = self._stage_task.remote(self._step_stages, staged)
+                self._training.step_refs, self._training.step_report = [batch, report], None
+                return
+        training = self._training
+        if training.step_refs and training.step_report is None:
+            return  # the step stages are running
+        self._check_staleness(chunks)
+        refs = [training.step_refs[0]] if training.step_refs else [c.staged for c in chunks]
+        training.waited_stages = now - self._free_since - training.waited_generation
+        training.started = now
+        training.call = self.learner.submit_train(refs)
+
+    def _check_staleness(self, chunks: list[_Chunk]) -> None:
+        worst = staleness_of([c.summary for c in chunks], self.version)
+        if worst > self.config.max_staleness:
+            raise RuntimeError(
+                f"a trajectory is {worst} versions stale at step {self.step}, over "
+                f"max_staleness={self.config.max_staleness}: a bug in admission control"
+            )
+
+    # ----------------------------------------------------------------- events
+    def _wait(self) -> list:
+        """The refs that finished (at least one), within ``timeout_s``."""
         import ray
 
-        cfg = self.config
-        first, end = self.step * cfg.groups_per_step, (self.step + 1) * cfg.groups_per_step
-        waited = 0.0
-        while True:
-            self._dispatch()
-            needed = [c for s, c in sorted(self._chunks.items()) if s < end and s >= first]
-            covered = sum(c.size for c in needed if c.batch is not None)
-            if covered >= end - first:
-                return waited
-            running = {
-                c.ref: c for c in self._chunks.values() if c.batch is None and c.ref is not None
+        pending = self._pending()
+        if not pending:
+            raise RuntimeError(
+                f"step {self.step} cannot proceed: nothing is generating, staging or "
+                f"training (next group {self._next}, admissible below "
+                f"{self._admissible_end()})"
+            )
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.config.timeout_s)
+        if not ready:
+            waiting = sorted({what for what in pending.values()})
+            raise TimeoutError(
+                f"nothing finished within {self.config.timeout_s:.0f}s while waiting on "
+                f"{', '.join(waiting)} (a hung actor? raise pipeline.timeout_s if legitimate)"
+            )
+        return ready
+
+    def _pending(self) -> dict[Any, str]:
+        pending: dict[Any, str] = {}
+        for chunk in self._chunks.values():
+            if chunk.summary is None and chunk.summary_ref is not None:
+                pending[chunk.summary_ref] = f"generation of groups {chunk.groups}"
+            elif chunk.report_ref is not None and chunk.report is None:
+                pending[chunk.report_ref] = f"the stages of groups {chunk.groups}"
+        training = self._training
+        if training is not None:
+            if training.call is not None:
+                pending.update(dict.fromkeys(training.call.refs, f"the learner (step {self.step})"))
+            elif training.step_refs and training.step_report is None:
+                pending[training.step_refs[1]] = f"the step stages of step {self.step}"
+        return pending
+
+    def _handle(self, ready: list) -> None:
+        done = set(ready)
+        for chunk in list(self._chunks.values()):
+            if chunk.summary is None and chunk.summary_ref in done:
+                self._on_generated(chunk)
+            elif chunk.report is None and chunk.report_ref in done:
+                self._on_staged(chunk)
+        training = self._training
+        if training is None:
+            return
+        if training.step_refs and training.step_report is None and training.step_refs[1] in done:
+            training.step_report = self._report(training.step_refs[1], f"step {self.step}")
+            training.step_seconds = time.perf_counter() - training.started
+        if training.call is not None and done & set(training.call.refs):
+            self._on_trained(training)  # waits for every rank; raises early on a failed one
+
+    def _on_generated(self, chunk: _Chunk) -> None:
+        import ray
+
+        g = chunk.generator
+        self._queued[g] -= 1
+        try:
+            chunk.summary = ray.get(chunk.summary_ref)
+        except ray.exceptions.RayActorError:
+            chunk.generator, chunk.batch, chunk.summary_ref = -1, None, None
+            self._redo.append(chunk)
+            if chunk.epoch == self._epoch[g] and g not in self._lost:  # news of this death
+                self._epoch[g] += 1
+                self._recover(g)
+            return
+        chunk.generated_at = time.perf_counter()
+        self._start_stages(chunk)
+
+    def _start_stages(self, chunk: _Chunk) -> None:
+        chunk.stage_started = time.perf_counter()
+        chunk.staged, chunk.report_ref = self._stage_task.remote(self._stages, [chunk.batch])
+
+    def _on_staged(self, chunk: _Chunk) -> None:
+        chunk.report = self._report(chunk.report_ref, f"groups {chunk.groups}")
+        chunk.stage_seconds = time.perf_counter() - chunk.stage_started
+
+    def _report(self, ref: Any, what: str) -> dict:
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as err:
+            cause = err.cause if isinstance(err.cause, StageError) else err
+            raise StageError(f"the stages of {what} failed: {cause}") from err
+
+    def _on_trained(self, training: _Training) -> None:
+        metrics = training.call.result(timeout=self.config.timeout_s)
+        now = time.perf_counter()
+        chunks = training.chunks
+        reports = [c.report for c in chunks] + (
+            [training.step_report] if training.step_report is not None else []
+        )
+        out = step_metrics(
+            [c.summary for c in chunks],
+            reports,
+            version=self.version,
+            max_staleness=self.config.max_staleness,
+        )
+        out.update(metrics)
+        train_s = now - training.started
+        stages_s = sum(c.stage_seconds for c in chunks) + training.step_seconds
+        out.update(
+            {
+                "time/train_s": train_s,
+                "time/wait_generation_s": training.waited_generation,
+                "time/wait_stages_s": training.waited_stages,
+                "time/stages_s": stages_s,
+                "time/stages_hidden_s": stages_s - training.waited_stages,
+                "speed/train_tokens_per_s": out["train/tokens"] / max(train_s, 1e-9),
             }
-            if not running:  # (all generators lost already raised in _recover)
-                raise RuntimeError(
-                    f"step {self.step} needs groups [{first}, {end}) but nothing is generating "
-                    f"them (next={self._next}, admissible below {self._admissible_end()})"
-                )
-            t0 = time.perf_counter()
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=cfg.timeout_s)
-            waited += time.perf_counter() - t0
-            if not ready:
-                raise TimeoutError(
-                    f"no generator finished a chunk within {cfg.timeout_s:.0f}s "
-                    f"({len(running)} chunks running)"
-                )
-            for ref in ready:
-                chunk = running[ref]
-                chunk.ref = None
-                try:
-                    chunk.batch = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    g, chunk.generator = chunk.generator, -1
-                    self._redo.append(chunk)
-                    self._recover(g)
-                    continue
-                self._idle.append(chunk.generator)
+        )
+        for key in [k for k in out if k.startswith("time/stage_")]:
+            name = key.removeprefix("time/stage_").removesuffix("_s")
+            out[f"speed/stage_{name}_tokens_per_s"] = out["train/tokens"] / max(out[key], 1e-9)
+        first = self.step * self.config.groups_per_step
+        for chunk in chunks:
+            del self._chunks[chunk.start]
+        self.trained_groups.extend(range(first, first + self.config.groups_per_step))
+        self.version += 1
+        self.step += 1
+        self._training = None
+        self._free_since = now
+        t0 = time.perf_counter()
+        self._wait_publication()
+        self._publish()
+        out["time/publish_submit_s"] = time.perf_counter() - t0
+        out.update(self.publisher.metrics)
+        out.update(self.failures)
+        self._dispatch()  # the new version admits more groups: start them first
+        out.update(
+            {
+                "pipeline/step": float(self.step),
+                "pipeline/policy_version": float(self.version),
+                "pipeline/groups_trained": float(len(self.trained_groups)),
+                "pipeline/groups_ahead": float(sum(c.size for c in self._chunks.values())),
+                "time/step_s": time.perf_counter() - self._step_ended,
+            }
+        )
+        self._step_ended = time.perf_counter()
+        self.history.append(out)
+        if self.on_step is not None:
+            self.on_step(out)
+        cfg = self.config
+        if cfg.checkpoint_dir and (
+            self.step == cfg.steps
+            or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
+        ):
+            self.save(cfg.checkpoint_dir)
 
     # ----------------------------------------------------------------- failures
     def _recover(self, g: int) -> None:
         """Generator ``g`` died: once Ray has restarted it, bring it to the current weights
-        and back to the idle pool; if it is gone for good, drop it."""
+        (it then takes work again); if it is gone for good, drop it."""
         import ray
 
         from ray_credit.pipeline.weights import WeightSyncError
@@ -348,8 +613,6 @@ class Pipeline:
                     f"all {len(self.generators)} generators died; see their logs (OOM? a "
                     "crash?) and give them max_restarts"
                 ) from None
-            return
-        self._idle.append(g)
 
     def _publish(self) -> None:
         sends_itself = self.publisher.sends_itself
@@ -387,100 +650,38 @@ class Pipeline:
             strangers = {i for i in err.died if i >= len(self.generators)}
             if not err.died or undead or strangers:  # the learner's side, or not a death
                 raise
-            busy = {c.generator for c in self._chunks.values() if c.ref is not None}
             for g in err.died:
-                if g not in busy and g not in self._lost:
-                    if g in self._idle:
-                        self._idle.remove(g)
+                if not self._queued[g] and g not in self._lost:  # no call of its own to fail
+                    self._epoch[g] += 1
                     self._recover(g)
-
-    def _train_step(self, waited: float, started: float) -> dict[str, float]:
-        cfg = self.config
-        first, end = self.step * cfg.groups_per_step, (self.step + 1) * cfg.groups_per_step
-        chunks = [self._chunks.pop(s) for s in sorted(self._chunks) if first <= s < end]
-        if sum(c.size for c in chunks) != end - first or chunks[0].start != first:
-            raise RuntimeError(f"step {self.step}: chunks do not tile groups [{first}, {end})")
-        batches = [c.batch for c in chunks]
-        batch = TrajectoryBatch.concat(batches)
-        tokens = float(batch.token_offsets[-1]) if "input_ids" in batch.column_names else 0.0
-        metrics: dict[str, float] = _generation_metrics(batches)
-        metrics.update(self._staleness(batch))
-        for stage in self.stages:
-            t0 = time.perf_counter()
-            batch = stage(batch)
-            seconds = time.perf_counter() - t0
-            metrics[f"time/stage_{stage.__name__}_s"] = seconds
-            metrics[f"speed/stage_{stage.__name__}_tokens_per_s"] = tokens / max(seconds, 1e-9)
-            metrics.update({k: v for k, v in batch.metrics.items() if not k.startswith("gen/")})
-        t0 = time.perf_counter()
-        metrics.update(self.learner.train(batch))
-        metrics["time/train_s"] = time.perf_counter() - t0
-        metrics["speed/train_tokens_per_s"] = tokens / max(metrics["time/train_s"], 1e-9)
-        self.version += 1
-        self.step += 1
-        self.trained_groups.extend(range(first, end))
-        t0 = time.perf_counter()
-        self._wait_publication()
-        self._publish()
-        metrics["time/publish_submit_s"] = time.perf_counter() - t0
-        metrics.update(self.publisher.metrics)
-        metrics.update(self.failures)
-        self._dispatch()  # the new version admits more groups: start them before returning
-        step_s = time.perf_counter() - started
-        metrics.update(
-            {
-                "pipeline/step": float(self.step),
-                "pipeline/policy_version": float(self.version),
-                "pipeline/groups_trained": float(len(self.trained_groups)),
-                "pipeline/groups_ahead": float(sum(c.size for c in self._chunks.values())),
-                "time/wait_generation_s": waited,
-                "time/step_s": step_s,
-                **_outcome_metrics(batch),
-                **_judge_agreement(batch),
-            }
-        )
-        return metrics
-
-    def _staleness(self, batch: TrajectoryBatch) -> dict[str, float]:
-        versions = np.array(
-            [
-                min((t["policy_version"] for t in turns), default=self.version)
-                for turns in batch.column("turns").to_pylist()
-            ],
-            dtype=np.int64,
-        )
-        staleness = self.version - versions
-        worst = int(staleness.max()) if len(staleness) else 0
-        if worst > self.config.max_staleness:
-            raise RuntimeError(
-                f"a trajectory is {worst} versions stale at step {self.step}, over "
-                f"max_staleness={self.config.max_staleness}: a bug in admission control"
-            )
-        out = {
-            f"staleness/{k}": float((staleness == k).sum())
-            for k in range(self.config.max_staleness + 1)
-        }
-        out["staleness/max"] = float(worst)
-        out["staleness/mean"] = float(staleness.mean()) if len(staleness) else 0.0
-        return out
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, folder: str | os.PathLike) -> Path:
-        """Learner state, data cursor and every generated chunk not trained yet."""
-        folder = Path(folder)
+        """Learner state, data cursor and every generated chunk not trained yet (called
+        between steps: the learner is idle)."""
+        import ray
+
+        folder = Path(folder).resolve()  # workers' working directories may differ
         tmp = folder.with_name(folder.name + ".tmp")
         if tmp.exists():
             _rmtree(tmp)
         (tmp / _BUFFER_DIR).mkdir(parents=True)
         self._wait_publication()
         self.learner.save(str(tmp / "learner"))
-        done = [c for c in self._chunks.values() if c.batch is not None]
+        done = [c for c in self._chunks.values() if c.summary is not None]
+        here = _on_this_node()
+        writes = [
+            ray.remote(_write_chunk)
+            .options(num_cpus=0, scheduling_strategy=here)
+            .remote(str(tmp / _BUFFER_DIR / f"{c.start:09d}_{c.size}.arrow"), [c.batch])
+            for c in done
+        ]
+        ray.get(writes, timeout=self.config.timeout_s)
         for c in done:
-            (tmp / _BUFFER_DIR / f"{c.start:09d}_{c.size}.arrow").write_bytes(
-                c.batch.to_ipc().to_pybytes()
-            )
+            summary = {**c.summary, "oldest_versions": list(c.summary["oldest_versions"].items())}
+            (tmp / _BUFFER_DIR / f"{c.start:09d}_{c.size}.json").write_text(json.dumps(summary))
         state = {
-            "format": 1,
+            "format": 2,
             "step": self.step,
             "policy_version": self.version,
             "groups_per_step": self.config.groups_per_step,
@@ -496,6 +697,8 @@ class Pipeline:
         return folder
 
     def _restore(self, folder: Path) -> None:
+        import ray
+
         path = folder / _STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(
@@ -508,6 +711,11 @@ class Pipeline:
             raise ValueError(
                 f"{path} is corrupt ({err}); resume from an intact checkpoint"
             ) from err
+        if state.get("format") != 2:
+            raise ValueError(
+                f"{path} has checkpoint format {state.get('format')}, this version reads 2; "
+                "resume with the ray_credit version that wrote it"
+            )
         cfg = self.config
         for key, mine in (
             ("groups_per_step", cfg.groups_per_step),
@@ -527,90 +735,31 @@ class Pipeline:
         self.step = int(state["step"])
         self.trained_groups = list(range(self.step * cfg.groups_per_step))
         self._next = self.step * cfg.groups_per_step
+        here = _on_this_node()
+        folder = folder.resolve()
         for start, size in state["buffered"]:
-            file = folder / _BUFFER_DIR / f"{start:09d}_{size}.arrow"
+            stem = folder / _BUFFER_DIR / f"{start:09d}_{size}"
             try:
-                batch = TrajectoryBatch.from_ipc(file.read_bytes())
-            except Exception as err:
-                raise ValueError(f"buffered trajectories {file} are unreadable: {err}") from err
-            self._chunks[start] = _Chunk(start, size, -1, batch=batch)
+                summary = json.loads(stem.with_suffix(".json").read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(
+                    f"buffered chunk summary {stem}.json is unreadable: {err}"
+                ) from err
+            summary["oldest_versions"] = {int(v): n for v, n in summary["oldest_versions"]}
+            if not stem.with_suffix(".arrow").is_file():
+                raise ValueError(f"buffered trajectories {stem}.arrow are missing")
+            read = ray.remote(_read_chunk).options(num_cpus=0, scheduling_strategy=here)
+            chunk = _Chunk(start, size, batch=read.remote(str(stem.with_suffix(".arrow"))))
+            chunk.summary = summary
+            self._chunks[start] = chunk
 
 
-# --------------------------------------------------------------------- metrics
-_ADDITIVE_GEN = (
-    *COUNTERS,
-    *("prefill_tokens", "reused_tokens", "kv_not_stored"),  # the sampler's, when it has them
-    *("trajectories", "turns", "answered", "seconds"),
-)
+def _on_this_node() -> Any:
+    """A scheduling strategy that keeps a task on the driver's node (checkpoint files)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-
-def _generation_metrics(batches: Sequence[TrajectoryBatch]) -> dict[str, float]:
-    out = {f"gen/{k}": 0.0 for k in _ADDITIVE_GEN}
-    for b in batches:
-        for k in _ADDITIVE_GEN:
-            out[f"gen/{k}"] += float(b.metrics.get(f"gen/{k}", 0.0))
-    out["gen/tokens_per_s"] = (
-        out["gen/generated_tokens"] / out["gen/seconds"] if out["gen/seconds"] else 0.0
-    )
-    n = max(out["gen/trajectories"], 1.0)
-    out["gen/turns_per_traj"] = out["gen/turns"] / n
-    out["gen/searches_per_traj"] = out["gen/searches"] / n
-    turns = max(out["gen/turns"], 1.0)
-    out["gen/invalid_rate"] = out["gen/invalid_actions"] / turns
-    out["gen/truncation_rate"] = out["gen/truncated_turns"] / turns
-    return out
-
-
-def _outcome_metrics(batch: TrajectoryBatch) -> dict[str, float]:
-    """Reward, group make-up, the turn where gold first shows, near misses."""
-    reward = batch.traj_values("outcome_reward")
-    groups = batch.group_index
-    n_groups = batch.num_groups
-    correct = np.bincount(groups, weights=(reward > 0).astype(float), minlength=n_groups)
-    sizes = np.bincount(groups, minlength=n_groups)
-    contains = batch.turn_values("turn_contains_gold", null=0.0) > 0
-    owner = batch.turn_traj_index
-    position = batch.turn_position
-    never = np.iinfo(np.int64).max
-    first = np.full(len(batch), never, dtype=np.int64)
-    np.minimum.at(first, owner[contains], position[contains].astype(np.int64))
-    seen_gold = first != never
-    out = {
-        "train/reward_mean": float(reward.mean()),
-        "train/em": float((reward >= 1.0).mean()),
-        "train/groups_all_wrong": float((correct == 0).mean()),
-        "train/groups_all_correct": float((correct == sizes).mean()),
-        "train/groups_mixed": float(((correct > 0) & (correct < sizes)).mean()),
-        "train/gold_retrieved": float(seen_gold.mean()),
-        "train/near_miss": float((seen_gold & (reward <= 0)).mean()),
-        "train/first_gold_turn": float(first[seen_gold].mean()) if seen_gold.any() else -1.0,
-    }
-    if "turn_advantages" in batch.column_names:
-        adv = batch.turn_values("turn_advantages")
-        per_group = np.bincount(groups[owner], weights=np.abs(adv), minlength=n_groups)
-        out["train/groups_zero_advantage"] = float((per_group < 1e-6).mean())
-    return out
-
-
-def _judge_agreement(batch: TrajectoryBatch) -> dict[str, float]:
-    """How often an LLM judge's verdict on the answer matches exact match: Search-P1's
-    outcome accuracy (>= 0.5 counts as correct), else CW-GRPO's correctness label on the
-    answer turn. Only judged trajectories count (``judge/agreement_n``); no judge, no keys."""
-    em = batch.traj_values("outcome_reward") >= 1.0
-    if "sp1_outcome_accuracy" in batch.column_names:
-        judged = batch.traj_valid("sp1_outcome_accuracy")
-        says = batch.traj_values("sp1_outcome_accuracy", null=0.0) >= 0.5
-        agree = (says == em)[judged]
-    elif "judge_correct" in batch.column_names:
-        judged = batch.turn_valid("judge_correct") & batch.is_last_turn
-        says = batch.turn_values("judge_correct", null=0.0) > 0
-        agree = (says == em[batch.turn_traj_index])[judged]
-    else:
-        return {}
-    out = {"judge/agreement_n": float(len(agree))}
-    if len(agree):
-        out["judge/agreement_em"] = float(agree.mean())
-    return out
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def _rmtree(path: Path) -> None:

@@ -1,5 +1,6 @@
 """The asynchronous loop on the shared cluster, with tiny-random: staleness bound, every
-group trained once in stream order, weights reaching the generators, resume."""
+group trained once in stream order, weights reaching the generators, stages streaming per
+chunk with the driver holding refs only, resume."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_staleness_bound_and_every_group_once(ray_cluster, world, retriever, max
         assert m["staleness/max"] <= max_staleness
         assert m["learner/trajectories"] == 8  # 4 groups x G=2
         assert "time/stage_estimator_grpo_s" in m and "train/reward_mean" in m
+        assert m["time/stages_s"] >= m["time/stage_estimator_grpo_s"] > 0
     if max_staleness == 0:
         assert all(m["staleness/max"] == 0 for m in history)
     if max_staleness >= 1:  # the generators ran ahead: some trained turns were stale
@@ -93,6 +95,7 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path)
         resume_from=tmp_path / "ckpt",
     )
     assert second.step == 2 and sorted(second._chunks) == buffered
+    assert all(c.summary is not None for c in second._chunks.values())
     history = second.run()
     assert len(history) == 2 and second.step == 4
     assert second.trained_groups == list(range(16))
@@ -198,3 +201,100 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+class SlowStage:
+    """A stage actor with a made-up cost (the shape of a judge or a scorer)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def run(self, batch):
+        import time
+
+        time.sleep(self.seconds)
+        return batch.with_metrics({"slow/calls": 1.0})
+
+
+def _refuse_in_driver(*args):
+    raise AssertionError("the driver unpickled a TrajectoryBatch")
+
+
+def test_driver_holds_refs_only_and_stages_stream(
+    ray_cluster, world, retriever, tmp_path, monkeypatch
+):
+    """Batches refuse to unpickle in this (the driver's) process; the run still trains,
+    checkpoints and resumes, because every batch stays in the object store and is read
+    by generators, stage tasks and the learner. A slow stage actor runs per chunk, while
+    the learner trains the previous step."""
+    import ray_credit.batch as batch_module
+    from ray_credit.pipeline import actor_stage
+
+    generators, learner = _parts(retriever)
+    slow = ray_cluster.remote(SlowStage).options(num_cpus=0, max_concurrency=4).remote(0.3)
+    stages = [actor_stage(slow.run, name="slow"), estimator_stage("grpo")]
+    config = PipelineConfig(
+        steps=3,
+        groups_per_step=4,
+        chunk_groups=1,
+        max_staleness=1,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    monkeypatch.setattr(batch_module, "_from_ipc_unchecked", _refuse_in_driver)
+    pipe = Pipeline(generators, learner, world.questions[:10], stages, config)
+    history = pipe.run()
+    assert pipe.trained_groups == list(range(12))
+    for m in history:
+        assert m["slow/calls"] == 4  # once per chunk, 4 chunks of 1 group per step
+        assert m["time/stage_slow_s"] >= 4 * 0.3
+        assert m["time/stages_hidden_s"] == pytest.approx(
+            m["time/stages_s"] - m["time/wait_stages_s"]
+        )
+    # after the first step, some of the stage time overlapped training
+    assert sum(m["time/stages_hidden_s"] for m in history[1:]) > 0
+    learner.shutdown()
+
+    generators, learner = _parts(retriever, resume_from=tmp_path / "ckpt")
+    resumed = Pipeline(
+        generators,
+        learner,
+        world.questions[:10],
+        stages,
+        PipelineConfig(**{**config.__dict__, "steps": 4}),
+        resume_from=tmp_path / "ckpt",
+    )
+    resumed.run()
+    assert resumed.trained_groups == list(range(16))
+    learner.shutdown()
+
+
+def test_step_stages_for_an_estimator_across_groups(ray_cluster, world, retriever):
+    """An estimator that is not group-local runs once per step, on the step's chunks
+    together; the pipeline refuses it as a per-chunk stage."""
+    import dataclasses
+
+    import numpy as np
+
+    from ray_credit.estimators import get_estimator
+
+    def batch_normalized(batch, config):
+        reward = batch.traj_values("outcome_reward")
+        centered = (reward - reward.mean())[batch.turn_traj_index].astype(np.float32)
+        return batch.with_turn_columns(
+            {"turn_advantages": centered}, metrics={"bn/trajectories": float(len(batch))}
+        )
+
+    est = dataclasses.replace(
+        get_estimator("grpo"), name="batch_norm", fn=batch_normalized, group_local=False
+    )
+    generators, learner = _parts(retriever)
+    config = PipelineConfig(steps=2, groups_per_step=4, chunk_groups=2)
+    with pytest.raises(ValueError, match="not group-local.*step_stages"):
+        Pipeline(generators, learner, world.questions, [estimator_stage(est)], config)
+    pipe = Pipeline(
+        generators, learner, world.questions, [], config, step_stages=[estimator_stage(est)]
+    )
+    history = pipe.run()
+    assert [m["bn/trajectories"] for m in history] == [8.0, 8.0]  # the whole step at once
+    assert "time/stage_estimator_batch_norm_s" in history[0]
+    learner.shutdown()

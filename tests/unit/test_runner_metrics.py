@@ -1,14 +1,27 @@
-"""The pipeline's per-step metrics and failure bookkeeping, computed without Ray."""
+"""The pipeline's per-step metrics (combined from chunk summaries and reports exactly as
+from one batch) and failure bookkeeping, computed without Ray."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from ray_credit.pipeline.runner import _judge_agreement, _outcome_metrics
-from ray_credit.testing import make_batch
+from ray_credit.estimators import get_estimator
+from ray_credit.pipeline.report import (
+    chunk_report,
+    generation_summary,
+    oldest_versions,
+    staleness_of,
+    step_metrics,
+)
+from ray_credit.signals import get_signal
+from ray_credit.testing import make_batch, random_batch
+
+SP1 = get_signal("search_p1_evaluation")
+CW = get_signal("cw_grpo_judgement")
 
 
-def test_judge_agreement_search_p1_counts_only_judged_trajectories():
+def test_search_p1_agreement_counts_only_judged_trajectories():
     batch = make_batch(
         [
             {"group": "a", "reward": 1.0, "sp1_outcome_accuracy": 1.0},  # agree
@@ -17,10 +30,10 @@ def test_judge_agreement_search_p1_counts_only_judged_trajectories():
             {"group": "b", "reward": 1.0, "sp1_outcome_accuracy": None},  # not judged
         ]
     )
-    assert _judge_agreement(batch) == {"judge/agreement_n": 3.0, "judge/agreement_em": 2 / 3}
+    assert SP1.agreement(batch) == (2, 3)
 
 
-def test_judge_agreement_cw_grpo_reads_the_answer_turn():
+def test_cw_grpo_agreement_reads_the_answer_turn():
     batch = make_batch(
         [
             {"group": "a", "reward": 1.0, "turns": 2, "judge_correct": [0, 1]},  # agree
@@ -28,10 +41,15 @@ def test_judge_agreement_cw_grpo_reads_the_answer_turn():
             {"group": "b", "reward": 0.0, "turns": 1, "judge_correct": [None]},  # skipped
         ]
     )
-    assert _judge_agreement(batch) == {"judge/agreement_n": 2.0, "judge/agreement_em": 0.5}
-    nothing_judged = make_batch([{"reward": 0.0, "turns": 1, "judge_correct": [None]}])
-    assert _judge_agreement(nothing_judged) == {"judge/agreement_n": 0.0}
-    assert _judge_agreement(make_batch([{"reward": 1.0}])) == {}
+    assert CW.agreement(batch) == (1, 2)
+    assert CW.agreement(make_batch([{"reward": 0.0, "turns": 1, "judge_correct": [None]}])) == (
+        0,
+        0,
+    )
+
+
+def _report(batch, **stage_metrics):
+    return chunk_report(batch.with_metrics(stage_metrics), {"estimator": 0.5})
 
 
 def test_outcome_metrics_group_make_up_and_first_gold_turn():
@@ -43,12 +61,80 @@ def test_outcome_metrics_group_make_up_and_first_gold_turn():
             {"group": "b", "reward": 0.0, "turns": 1, "turn_contains_gold": [0]},
         ]
     )
-    m = _outcome_metrics(batch)
+    m = step_metrics([generation_summary(batch)], [_report(batch)], version=0)
     assert m["train/em"] == 0.25 and m["train/reward_mean"] == 0.25
     assert m["train/groups_all_wrong"] == 0.5 and m["train/groups_mixed"] == 0.5
     assert m["train/groups_all_correct"] == 0.0
     assert m["train/gold_retrieved"] == 0.5 and m["train/near_miss"] == 0.25
     assert m["train/first_gold_turn"] == pytest.approx(0.5)  # turns 1 and 0
+    assert m["time/stage_estimator_s"] == 0.5
+
+
+def test_chunks_combine_exactly_as_one_batch():
+    """Split at group boundaries, the step's metrics from the chunks' summaries and
+    reports are those of the whole batch (rates derived after the sums)."""
+    batch = get_estimator("grpo")(random_batch(3, num_groups=9, group_size=4, max_turns=4))
+    parts = np.random.default_rng(0).integers(0, 3, batch.num_groups)[batch.group_index]
+    chunks = [batch.select(np.flatnonzero(parts == k)) for k in range(3)]
+    whole = step_metrics([generation_summary(batch)], [_report(batch)], version=0)
+    split = step_metrics(
+        [generation_summary(c) for c in chunks], [_report(c) for c in chunks], version=0
+    )
+    for key, value in whole.items():
+        if key.startswith(("train/", "staleness/", "gen/")):
+            assert split[key] == pytest.approx(value), key
+    assert "train/groups_zero_advantage" in whole
+
+
+def test_stage_metrics_are_combined_by_their_names():
+    gold = {"turn_contains_gold": [0]}
+    a = make_batch([{"group": "a", "reward": 1.0, **gold}, {"group": "a", "reward": 0.0, **gold}])
+    b = make_batch(
+        [{"group": "b", "reward": 1.0, **gold}] * 2 + [{"group": "c", "reward": 1.0, **gold}] * 2
+    )
+    reports = [
+        _report(
+            a, **{"x/count": 2, "x/share_frac": 1.0, "x/max_in_flight": 3, "s/policy_version": 4}
+        ),
+        _report(
+            b, **{"x/count": 3, "x/share_frac": 0.25, "x/max_in_flight": 2, "s/policy_version": 5}
+        ),
+        _report(b, **{"judge/agreement_hits": 1, "judge/agreement_n": 4}),
+    ]
+    summaries = [generation_summary(x) for x in (a, b, b)]
+    m = step_metrics(summaries, reports, version=0)
+    assert m["x/count"] == 5 and m["x/max_in_flight"] == 3 and m["s/policy_version"] == 4
+    assert m["x/share_frac"] == pytest.approx((2 * 1.0 + 4 * 0.25) / 6)  # by trajectories
+    assert m["judge/agreement_em"] == 0.25 and m["time/stage_estimator_s"] == 1.5
+
+
+def test_staleness_from_the_oldest_turn_of_each_trajectory():
+    batch = make_batch(
+        [
+            {"reward": 0.0, "turns": 3, "turn_contains_gold": [0, 0, 0]},
+            {"reward": 1.0, "turns": 1, "turn_contains_gold": [1]},
+        ]
+    )
+    turns = batch.column("turns").to_pylist()
+    for t, v in zip(turns[0], (2, 3, 3), strict=True):
+        t["policy_version"] = v
+    turns[1][0]["policy_version"] = 3
+    records = batch.to_records()
+    for r, t in zip(records, turns, strict=True):
+        r["turns"] = t
+    from ray_credit.batch import TrajectoryBatch
+
+    batch = TrajectoryBatch.from_records(records)
+    assert oldest_versions(batch).tolist() == [2, 3]
+    summary = generation_summary(batch)
+    assert summary["oldest_versions"] == {2: 1, 3: 1}
+    assert staleness_of([summary], version=4) == 2
+    m = step_metrics([summary], [_report(batch)], version=4)
+    assert m["staleness/1"] == 1 and m["staleness/2"] == 1 and m["staleness/max"] == 2
+    assert m["staleness/mean"] == 1.5
+    records[0]["turns"][0]["policy_version"] = None
+    with pytest.raises(ValueError, match="no policy_version"):
+        oldest_versions(TrajectoryBatch.from_records(records))
 
 
 class _FailingPublisher:
@@ -64,7 +150,7 @@ def _bare_pipeline(publisher):
 
     pipeline = object.__new__(Pipeline)  # the failure bookkeeping only, no Ray
     pipeline.publisher, pipeline.generators, pipeline._chunks = publisher, [0, 1], {}
-    pipeline._lost, pipeline._idle = set(), [0, 1]
+    pipeline._lost, pipeline._queued, pipeline._epoch = set(), [0, 1], [0, 0]
     recovered = []
     pipeline._recover = recovered.append
     return pipeline, recovered
@@ -81,7 +167,7 @@ def test_a_failed_publication_on_the_learner_side_is_never_swallowed():
     pipeline, recovered = _bare_pipeline(_FailingPublisher(refused))
     with pytest.raises(WeightSyncError, match="bad weights"):
         pipeline._wait_publication()
-    died = WeightSyncError("generator1 died", failed=[(1, "died")], died=[1])
+    died = WeightSyncError("generators died", failed=[(0, "died"), (1, "died")], died=[0, 1])
     pipeline, recovered = _bare_pipeline(_FailingPublisher(died))
-    pipeline._wait_publication()  # an idle generator that died is recovered here
-    assert recovered == [1] and pipeline._idle == [0]
+    pipeline._wait_publication()  # an idle generator that died is recovered here; a busy
+    assert recovered == [0] and pipeline._epoch == [1, 0]  # one hears it from its call
