@@ -60,10 +60,10 @@ def main() -> None:
         for i in range(2)
     ]
     learner = LearnerGroup(args.model, LearnerConfig(lr=1e-5), resources_per_worker={"CPU": 1})
-    judges = JudgePool("evidence", num_actors=1, num_cpus=0.25)
+    judges = JudgePool("evidence")  # deterministic: judges in each chunk's stage task
 
-    stages = [
-        judges.annotate_cw_grpo,  # CW-GRPO's per-turn judgements
+    stages = [  # run on every chunk as soon as it is generated
+        judges.stage("cw_grpo_judgement"),  # CW-GRPO's per-turn judgements
         estimator_stage("cw_grpo"),  # -> turn_advantages
         no_search_no_credit,  # the user's rule, after the estimator
     ]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -58,19 +59,24 @@ ESTIMATOR = register_estimator(
 
 def train_with_it(steps: int) -> None:
     """The estimator as the credit stage of a training run (the recipe behind every
-    pipeline): generators, learner and the loop are the library's, the credit is ours."""
-    from ray_credit.pipeline import estimator_stage
-    from ray_credit.pipeline.recipe import RunConfig, train
+    pipeline): generators, learner and the loop are the library's, the credit is ours.
+    The run config has a section named after the estimator, as every pipeline's does."""
+    from ray_credit.pipeline.recipe import RunConfig, load_config, train
 
-    cfg = RunConfig(name="discounted-grpo", model="tiny-random", wandb="disabled")
-    cfg = replace(
-        cfg,
-        output_dir=tempfile.mkdtemp(prefix="custom_estimator_"),
-        data=replace(cfg.data, eval_questions=4),
-        pipeline=replace(cfg.pipeline, steps=steps, groups_per_step=2),
-        resources=replace(cfg.resources, learner_cpus=1, eval_cpus=1),
-    )
-    summary = train(cfg, lambda ctx: [estimator_stage("discounted_grpo", gamma=0.8)])
+    @dataclass(frozen=True)
+    class DiscountedRun(RunConfig):
+        discounted_grpo: DiscountedGRPOConfig = field(default_factory=DiscountedGRPOConfig)
+
+    argv = [
+        "--name", "discounted-grpo", "--model", "tiny-random", "--wandb", "disabled",
+        "--output_dir", tempfile.mkdtemp(prefix="custom_estimator_"),
+        "--data.eval_questions", "4", "--pipeline.steps", str(steps),
+        "--pipeline.groups_per_step", "2", "--resources.learner_cpus", "1",
+        "--resources.eval_cpus", "1", "--discounted_grpo.gamma", "0.8",
+    ]  # fmt: skip
+    embedded = Path(__file__).resolve().parents[1] / "pipelines/configs/embedded.yaml"
+    cfg = load_config(DiscountedRun, "discounted_grpo", argv, default_config=embedded)
+    summary = train(cfg, "discounted_grpo")
     last = summary["final_step_metrics"]
     print(
         f"trained {summary['steps']} steps with discounted_grpo: mean discount "

@@ -6,7 +6,7 @@ or anything answering its `/retrieve` JSON) instead of building an index here.
 
 The generators get a `RemoteRetriever` (each actor its own client: timeouts, retries
 with backoff, counters) and search the server; nothing is encoded or indexed in the
-job. The same switch on every pipeline: `python pipelines/tspo.py --retriever_url URL`.
+job. The same switch on every pipeline: `python pipelines/tspo.py --retriever.url URL`.
 
 Without --url, a stand-in plays the existing server: a plain `http.server` (no Ray)
 answering `/retrieve` over the synthetic world's corpus, the way a server from another
@@ -19,8 +19,9 @@ import argparse
 import json
 import tempfile
 import threading
-from dataclasses import asdict, replace
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from ray_credit.actors.retrieval_server import (
     RemoteRetriever,
@@ -30,8 +31,15 @@ from ray_credit.actors.retrieval_server import (
 from ray_credit.actors.retriever import Retriever
 from ray_credit.data import make_world
 from ray_credit.estimators.tspo import TSPOConfig
-from ray_credit.pipeline import estimator_stage
-from ray_credit.pipeline.recipe import RunConfig, train
+from ray_credit.pipeline.recipe import RunConfig, load_config, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class TSPORun(RunConfig):  # as pipelines/tspo.py
+    tspo: TSPOConfig = field(default_factory=TSPOConfig)
+
 
 QUERIES_SERVED = [0]  # by the stand-in
 
@@ -75,22 +83,30 @@ def main() -> None:
     parser.add_argument("--url", help="an existing /retrieve endpoint (default: a stand-in)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--output-dir", default=tempfile.mkdtemp(prefix="external_retriever_"))
+    parser.add_argument("--output-dir")
     args = parser.parse_args()
 
-    cfg = RunConfig(name="external-retriever", model=args.model, output_dir=args.output_dir)
-    cfg = replace(
-        cfg,
-        wandb="disabled",
-        retriever_url=args.url or start_stand_in_server(cfg.data.world),
-        data=replace(cfg.data, eval_questions=4),
-        pipeline=replace(cfg.pipeline, steps=args.steps, groups_per_step=2),
-        resources=replace(cfg.resources, learner_cpus=1, eval_cpus=1),
+    # TSPO's pipeline on the embedded settings, pointed at the server.
+    flags = {
+        "--name": "external-retriever",
+        "--model": args.model,
+        "--output_dir": args.output_dir or tempfile.mkdtemp(prefix="external_retriever_"),
+        "--wandb": "disabled",
+        "--data.eval_questions": 4,
+        "--pipeline.steps": args.steps,
+        "--pipeline.groups_per_step": 2,
+        "--resources.learner_cpus": 1,
+        "--resources.eval_cpus": 1,
+    }
+    argv = [str(x) for item in flags.items() for x in item]
+    cfg = load_config(
+        TSPORun, "tspo", argv, default_config=ROOT / "pipelines/configs/embedded.yaml"
     )
-    with RemoteRetriever(cfg.retriever_url) as probe:  # what the generators will see
+    url = args.url or start_stand_in_server(cfg.data.world)
+    with RemoteRetriever(url) as probe:  # what the generators will see
         top = probe.search(["Who founded the oldest city?"], 2)[0]
-        print(f"server {cfg.retriever_url}: top hit {top[0]['title']!r} ({top[0]['score']:.3f})")
-    summary = train(cfg, lambda ctx: [estimator_stage("tspo", **asdict(TSPOConfig()))])
+        print(f"server {url}: top hit {top[0]['title']!r} ({top[0]['score']:.3f})")
+    summary = train(replace(cfg, retriever=replace(cfg.retriever, url=url)), "tspo")
     last = summary["final_step_metrics"]
     print(
         f"trained {summary['steps']} steps against the external retriever: "

@@ -66,8 +66,9 @@ def main() -> None:
     # 3. Signals: info gain under the same weights, then the evidence judge.
     scorer = make_scorer_actor(args.model, num_cpus=1)
     batch = ray.get(scorer.score.remote(batch_ref))  # Ray resolves the ref in the actor
-    judges = JudgePool("evidence", num_actors=1, num_cpus=0.25)
-    batch = judges.annotate_search_p1(judges.annotate_cw_grpo(batch))
+    judges = JudgePool("evidence")  # a deterministic rule: no model, no actors
+    for signal in ("cw_grpo_judgement", "search_p1_evaluation"):
+        batch = judges.judge(signal, batch)
     counters = {k: v for k, v in batch.metrics.items() if k.startswith(("gen/", "judge/"))}
     print(f"\n{len(batch)} trajectories, {batch.num_turns} turns; counters:")
     for key in sorted(counters):

@@ -1,5 +1,8 @@
-"""A2TGPO: turn-group normalized information gain and adaptive turn clipping (A²TGPO, arXiv 2605.06200; docs/estimators.md). An info-gain scorer on the current
-policy weights fills turn_info_gain. Trains a search agent end to end.
+"""A2TGPO: turn-group normalized information gain and adaptive turn clipping (A²TGPO,
+arXiv 2605.06200; docs/estimators.md). An info-gain scorer on the current policy weights
+fills turn_info_gain (log-probability gains, as A²TGPO's code) on each chunk as it is
+generated; the learner trains with A²TGPO's turn-level ratio, its clip range (3e-3 /
+4e-3, scaled per turn by turn_clip_scale) and no KL.
 
     python pipelines/a2tgpo.py [--help] [--config my.yaml]
     ray job submit --working-dir . -- python pipelines/a2tgpo.py
@@ -7,29 +10,25 @@ policy weights fills turn_info_gain. Trains a search agent end to end.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ray_credit.estimators.a2tgpo import A2TGPOConfig
-from ray_credit.pipeline import estimator_stage
-from ray_credit.pipeline.recipe import RunConfig, main, scorer_stage
+from ray_credit.pipeline.recipe import RunConfig, main
+from ray_credit.signals.info_gain import InfoGain
 
 
 @dataclass(frozen=True)
 class A2TGPORun(RunConfig):
     name: str = "a2tgpo"
     """Run name: the output folder and the wandb run."""
-    info_gain_mode: str = "prob_diff"
-    """How the scorer turns gold-answer probabilities into turn gains: prob_diff or log_prob_diff."""
+    info_gain: InfoGain = field(default_factory=InfoGain)
+    """How the scorer turns gold-answer probabilities into turn gains."""
     a2tgpo: A2TGPOConfig = field(default_factory=A2TGPOConfig)
     """A2TGPO's estimator (the paper's defaults)."""
 
 
-def stages(ctx):
-    return [
-        scorer_stage(ctx, ctx.cfg.info_gain_mode),
-        estimator_stage("a2tgpo", **asdict(ctx.cfg.a2tgpo)),
-    ]
-
-
 if __name__ == "__main__":
-    main(A2TGPORun, None, __doc__, stages)
+    main(
+        A2TGPORun, "a2tgpo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml"
+    )

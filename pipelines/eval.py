@@ -3,8 +3,14 @@ overall and per data source: one greedy rollout per question against the retriev
 
     python pipelines/eval.py --model runs/tspo/checkpoint      # the held-out synthetic questions
     python pipelines/eval.py --model Qwen/Qwen2.5-3B-Instruct --data.questions nq_test.parquet \\
-        --data.corpus wiki.jsonl --encoder intfloat/e5-base-v2 --resources.num_generators 4
+        --data.corpus wiki.jsonl --retriever.encoder.name e5-base-v2 --resources.num_generators 4
     ray job submit --working-dir . -- python pipelines/eval.py --model /shared/ckpt
+
+It reads the same YAML file as the training pipelines (configs/embedded.yaml unless
+--config is given) for the data, retriever and generator settings, so it holds out and
+prompts exactly as the training run did; the file's training sections (learner, pipeline,
+...) do not apply here and are skipped. Rollouts are greedy with one sample per question,
+whatever generator.temperature and generator.group_size say.
 """
 
 from __future__ import annotations
@@ -19,30 +25,28 @@ from ray_credit.actors.generator import GeneratorConfig
 from ray_credit.pipeline.recipe import (
     DataConfig,
     ResourcesConfig,
-    RunConfig,
+    RetrieverConfig,
     connect,
     load_data,
     make_generators,
     make_retriever,
+    submit_evaluation,
 )
+
+TRAINING_SECTIONS = ("name", "output_dir", "resume", "wandb", "learner", "pipeline", "eval")
 
 
 @dataclass(frozen=True)
 class EvalRun:
     model: str = "smollm2-135m"
     """A checkpoint folder (runs/NAME/checkpoint), an HF id or folder, or an embedded name."""
-    encoder: str = "minilm"
-    """Retriever encoder: 'minilm', 'e5' or an HF id / folder."""
-    retriever_url: str | None = None
-    """An existing `/retrieve` server to search instead of building an index here."""
     split: str = "heldout"
     """'heldout' (the questions a training run with the same data settings holds out) or 'all'."""
     output: str | None = None
     """Write the results here as JSON (None: print only)."""
     data: DataConfig = field(default_factory=DataConfig)
-    generator: GeneratorConfig = field(
-        default_factory=lambda: replace(RunConfig().generator, temperature=0.0, group_size=1)
-    )
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     timeout_s: float = 3600.0
     """Longest wait for one generator's share of the questions."""
@@ -65,37 +69,42 @@ def resolve_model(path: str) -> str:
 def main(argv=None) -> dict:
     from ray_credit.config import parse_config
 
-    cfg = parse_config(EvalRun, argv, description=__doc__)
-    run = RunConfig(data=cfg.data, resources=cfg.resources)
-    run = replace(run, pipeline=replace(run.pipeline, seed=cfg.seed))
-    ray = connect(run)
-    corpus, train_q, eval_q = load_data(run)
+    cfg = parse_config(
+        EvalRun,
+        argv,
+        description=__doc__,
+        default_config=Path(__file__).parent / "configs/embedded.yaml",
+        skip_sections=TRAINING_SECTIONS,
+    )
+    greedy = replace(cfg.generator, temperature=0.0, group_size=1)
+    ray = connect(cfg)
+    corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.seed)
     questions = eval_q if cfg.split == "heldout" else train_q + eval_q
     model = resolve_model(cfg.model)
-    retriever = make_retriever(corpus, cfg.encoder, cfg.retriever_url, cfg.resources)
-    generators = make_generators(model, retriever, cfg.generator, cfg.resources, prefix="eval")
-    shares = np.array_split(np.arange(len(questions)), len(generators))
+    index = cfg.retriever.index_folder
+    retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)
+    generators = make_generators(model, retriever, cfg, greedy, prefix="eval")
+    shares = [s for s in np.array_split(np.arange(len(questions)), len(generators)) if len(s)]
     refs = [
-        g.generate.remote([questions[i] for i in share])
-        for g, share in zip(generators, shares, strict=True)
-        if len(share)
+        submit_evaluation(g, [questions[i] for i in share])
+        for g, share in zip(generators, shares, strict=False)
     ]
-    per_source: dict[str, list[float]] = {}
-    answered = 0.0
-    for batch in ray.get(refs, timeout=cfg.timeout_s):
-        reward = batch.traj_values("outcome_reward")
-        answered += batch.metrics.get("gen/answered", 0.0)
-        for source, r in zip(batch.column("data_source").to_pylist(), reward, strict=True):
-            per_source.setdefault(source or "unknown", []).append(float(r >= 1.0))
-    every = [x for v in per_source.values() for x in v]
+    parts = ray.get(refs, timeout=cfg.timeout_s)
+    counts: dict[str, int] = {}
+    hits: dict[str, float] = {}
+    for part in parts:
+        for source, n in part["count_by_source"].items():
+            counts[source] = counts.get(source, 0) + n
+            hits[source] = hits.get(source, 0.0) + part["em_by_source"][source] * n
+    total = sum(counts.values())
     result = {
         "model": model,
         "split": cfg.split,
-        "questions": len(every),
-        "em": float(np.mean(every)),
-        "answered": answered / max(len(every), 1),
-        "em_by_source": {k: float(np.mean(v)) for k, v in sorted(per_source.items())},
-        "count_by_source": {k: len(v) for k, v in sorted(per_source.items())},
+        "questions": total,
+        "em": sum(hits.values()) / total,
+        "answered": sum(p["answered"] * p["questions"] for p in parts) / total,
+        "em_by_source": {k: hits[k] / counts[k] for k in sorted(counts)},
+        "count_by_source": dict(sorted(counts.items())),
         "config": asdict(cfg),
     }
     print(f"{'data source':<24} {'n':>6} {'EM':>7}")

@@ -1,5 +1,6 @@
 """GiGPO: episode-level groups plus step-level groups of turns that share an anchor
-state (GiGPO, arXiv 2505.10978; docs/estimators.md). Trains a search agent end to end.
+state (GiGPO, arXiv 2505.10978; docs/estimators.md). Trains a search agent end to end,
+with the paper's KL loss (0.001).
 
     python pipelines/gigpo.py [--help] [--config my.yaml]
     ray job submit --working-dir . -- python pipelines/gigpo.py
@@ -7,10 +8,10 @@ state (GiGPO, arXiv 2505.10978; docs/estimators.md). Trains a search agent end t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ray_credit.estimators.gigpo import GiGPOConfig
-from ray_credit.pipeline import estimator_stage
 from ray_credit.pipeline.recipe import RunConfig, main
 
 
@@ -22,9 +23,5 @@ class GiGPORun(RunConfig):
     """GiGPO's estimator (the paper's defaults)."""
 
 
-def stages(ctx):
-    return [estimator_stage("gigpo", **asdict(ctx.cfg.gigpo))]
-
-
 if __name__ == "__main__":
-    main(GiGPORun, None, __doc__, stages)
+    main(GiGPORun, "gigpo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml")

@@ -7,10 +7,10 @@ the turn-level methods improve on; DeepSeekMath). Trains a search agent end to e
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ray_credit.estimators.grpo import GRPOConfig
-from ray_credit.pipeline import estimator_stage
 from ray_credit.pipeline.recipe import RunConfig, main
 
 
@@ -22,9 +22,5 @@ class GRPORun(RunConfig):
     """GRPO's estimator."""
 
 
-def stages(ctx):
-    return [estimator_stage("grpo", **asdict(ctx.cfg.grpo))]
-
-
 if __name__ == "__main__":
-    main(GRPORun, None, __doc__, stages)
+    main(GRPORun, "grpo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml")

@@ -1,5 +1,7 @@
-"""IGPO: information-gain turn rewards (the gold answer's probability rising across turns) (IGPO, arXiv 2510.14967; docs/estimators.md). An info-gain scorer on the current
-policy weights fills turn_info_gain. Trains a search agent end to end.
+"""IGPO: information-gain turn rewards, the gold answer's probability rising across turns
+(IGPO, arXiv 2510.14967; docs/estimators.md). An info-gain scorer on the current policy
+weights fills turn_info_gain on each chunk as it is generated. Trains end to end, with
+the paper's KL loss (0.001).
 
     python pipelines/igpo.py [--help] [--config my.yaml]
     ray job submit --working-dir . -- python pipelines/igpo.py
@@ -7,29 +9,23 @@ policy weights fills turn_info_gain. Trains a search agent end to end.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ray_credit.estimators.igpo import IGPOConfig
-from ray_credit.pipeline import estimator_stage
-from ray_credit.pipeline.recipe import RunConfig, main, scorer_stage
+from ray_credit.pipeline.recipe import RunConfig, main
+from ray_credit.signals.info_gain import InfoGain
 
 
 @dataclass(frozen=True)
 class IGPORun(RunConfig):
     name: str = "igpo"
     """Run name: the output folder and the wandb run."""
-    info_gain_mode: str = "prob_diff"
-    """How the scorer turns gold-answer probabilities into turn gains: prob_diff or log_prob_diff."""
+    info_gain: InfoGain = field(default_factory=InfoGain)
+    """How the scorer turns gold-answer probabilities into turn gains."""
     igpo: IGPOConfig = field(default_factory=IGPOConfig)
     """IGPO's estimator (the paper's defaults)."""
 
 
-def stages(ctx):
-    return [
-        scorer_stage(ctx, ctx.cfg.info_gain_mode),
-        estimator_stage("igpo", **asdict(ctx.cfg.igpo)),
-    ]
-
-
 if __name__ == "__main__":
-    main(IGPORun, None, __doc__, stages)
+    main(IGPORun, "igpo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml")

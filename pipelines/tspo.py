@@ -7,17 +7,18 @@
     ray job submit --working-dir . -- python pipelines/tspo.py   # on a running cluster
     python pipelines/tspo.py --resume runs/tspo/checkpoint # continue a killed run
 
-Defaults: SmolLM2-135M-Instruct, MiniLM over the synthetic world, 6 steps of 4 questions
-x G=4, one step of staleness. Writes runs/tspo/{summary.json,plot.png,metrics.jsonl},
-the checkpoint and an offline wandb run.
+Defaults (configs/embedded.yaml): SmolLM2-135M-Instruct, MiniLM over the synthetic world,
+6 steps of 4 questions x G=4, one step of staleness. Writes runs/tspo/{summary.json,
+plot.png,metrics.jsonl}, the checkpoint and an offline wandb run. The run itself, in
+order, is ray_credit.pipeline.recipe.train.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ray_credit.estimators.tspo import TSPOConfig
-from ray_credit.pipeline import estimator_stage
 from ray_credit.pipeline.recipe import RunConfig, main
 
 
@@ -26,13 +27,8 @@ class TSPORun(RunConfig):
     name: str = "tspo"
     """Run name: the output folder and the wandb run."""
     tspo: TSPOConfig = field(default_factory=TSPOConfig)
-    """TSPO's estimator (the paper's defaults)."""
-
-
-def stages(ctx):
-    # the generator fills turn_contains_gold, all TSPO reads besides the outcome
-    return [estimator_stage("tspo", **asdict(ctx.cfg.tspo))]
+    """TSPO's estimator (the paper's defaults); the generator fills turn_contains_gold."""
 
 
 if __name__ == "__main__":
-    main(TSPORun, None, __doc__, stages)
+    main(TSPORun, "tspo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml")

@@ -4,9 +4,12 @@ file and from the command line.
 A pipeline's config is a tree of frozen dataclasses. :func:`parse_config` builds an
 argparse parser with one ``--section.field`` option per leaf (help text = the field's
 docstring, default shown), reads ``--config FILE.yaml`` (a nested mapping of the same
-shape) and applies, in order: the dataclass defaults, the YAML file, the command line.
-An unknown key in the file or a value of the wrong type is an error that names it. A
-config class may define ``check()`` for rules across sections; it runs once, at the end.
+shape; ``default_config`` when no ``--config`` is given) and applies, in order: the
+dataclass defaults (or ``defaults``), the YAML file, the command line. ``--help`` shows
+the defaults after the YAML file. An unknown key in the file or a value of the wrong type
+is an error that names it. A config class may define ``check()`` for rules across its
+fields or sections; every section's runs once, at the end (fields are set one at a time,
+so ``__post_init__`` can only check one field).
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ def _convert(value: Any, kind: Any, name: str) -> Any:
             items = [v for v in value.replace(",", " ").split() if v]
         if not isinstance(items, (list, tuple)):
             raise ValueError(f"{name} takes a list, got {value!r}")
+        fixed = origin is tuple and args and args[-1] is not Ellipsis
+        if fixed and len(items) != len(args):
+            raise ValueError(f"{name} takes {len(args)} values (A,B), got {value!r}")
         inner = (
             args[0]
             if args and args[-1] is not Ellipsis and len(set(args)) == 1
@@ -166,17 +172,29 @@ def parse_config(
     *,
     description: str | None = None,
     defaults: Any = None,
+    default_config: str | Path | None = None,
+    skip_sections: Sequence[str] = (),
 ) -> Any:
-    """Build ``cls`` from its defaults (or ``defaults``), ``--config FILE`` and the flags."""
+    """Build ``cls`` from its defaults (or ``defaults``), the YAML file (``--config``, else
+    ``default_config``) and the flags. ``skip_sections``: top-level keys of the YAML file
+    that do not apply to ``cls`` (a file shared with other scripts) and are skipped."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config", type=Path, default=default_config)
+    known, _ = first.parse_known_args(argv)
+    base = defaults if defaults is not None else cls()
+    file = None if known.config is None else Path(known.config)
+    if file is not None:
+        base = _apply_yaml(base, file, first, skip_sections)
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--config", type=Path, help="a YAML file of overrides (nested like the config)"
+        "--config",
+        type=Path,
+        help="a YAML file of settings, nested like the config"
+        + (f" (default: {default_config})" if default_config is not None else ""),
     )
-    base = defaults if defaults is not None else cls()
-    leaves = list(_leaves(cls))
-    for name, kind, _default, doc in leaves:
+    for name, kind, _default, doc in _leaves(cls):
         current = base
         for part in name.split("."):
             current = getattr(current, part)
@@ -189,32 +207,51 @@ def parse_config(
             help=f"{doc} (default: {shown})",
         )
     args = vars(parser.parse_args(argv))
+    args.pop("config", None)
     config = base
-    file = args.pop("config", None)
-    if file is not None:
-        import yaml
-
-        if not file.is_file():
-            parser.error(f"--config {file}: no such file")
-        data = yaml.safe_load(file.read_text()) or {}
-        if not isinstance(data, dict):
-            parser.error(f"--config {file}: the top level must be a mapping of config keys")
-        for key, value in _flatten(data):
-            try:
-                config = replace_path(config, key, value)
-            except (TypeError, ValueError) as err:
-                parser.error(f"--config {file}: {err}")
     for key, value in args.items():
         try:
             config = replace_path(config, key, value)
         except (TypeError, ValueError) as err:
             parser.error(f"--{key}: {err}")
+    try:  # checks across fields and sections, once everything is applied
+        _check_tree(config)
+    except ValueError as err:
+        parser.error(str(err))
+    return config
+
+
+def _check_tree(config: Any) -> None:
+    """Call ``check()`` on every section that has one, innermost first."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_tree(value)
     check = getattr(config, "check", None)
-    if callable(check):  # checks across sections, once everything is applied
+    if callable(check):
+        check()
+
+
+def _apply_yaml(
+    config: Any, file: Path, parser: argparse.ArgumentParser, skip: Sequence[str]
+) -> Any:
+    import yaml
+
+    if not file.is_file():
+        parser.error(f"--config {file}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        parser.error(f"--config {file}: not a readable YAML file: {err}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {file}: the top level must be a mapping of config keys")
+    for key, value in _flatten(data):
+        if key.split(".")[0] in skip:
+            continue
         try:
-            check()
-        except ValueError as err:
-            parser.error(str(err))
+            config = replace_path(config, key, value)
+        except (TypeError, ValueError) as err:
+            parser.error(f"--config {file}: {err}")
     return config
 
 

@@ -171,28 +171,45 @@ def _preview(items: Sequence[str], limit: int = 5) -> str:
 
 
 # ---------------------------------------------------------------------------- encoder
+# Named encoders: preset -> (model, query prefix, passage prefix). E5 models were trained
+# with the prefixes and retrieve worse without them (their model cards say so).
+ENCODER_PRESETS: dict[str, tuple[str, str, str]] = {
+    "minilm": ("minilm", "", ""),  # the embedded all-MiniLM-L6-v2
+    "e5-small-v2": ("intfloat/e5-small-v2", "query: ", "passage: "),
+    "e5-base-v2": ("intfloat/e5-base-v2", "query: ", "passage: "),
+    "e5-large-v2": ("intfloat/e5-large-v2", "query: ", "passage: "),
+}
+
+
+def _preset(name: str) -> tuple[str, str, str]:
+    """(model, query prefix, passage prefix) of a preset name, an E5 model id or folder
+    (``.../e5-...`` gets E5's prefixes), or any other model (no prefixes)."""
+    if name in ENCODER_PRESETS:
+        return ENCODER_PRESETS[name]
+    if "e5-" in Path(name).name.lower():
+        return name, "query: ", "passage: "
+    return name, "", ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EncoderConfig:
-    """How to embed queries and passages.
-
-    Attributes:
-        name: ``"minilm"`` (the embedded all-MiniLM-L6-v2), a Hugging Face id or a local
-            folder. Nothing is downloaded when the hub is unreachable.
-        query_prefix: prepended to every query (E5: ``"query: "``).
-        passage_prefix: prepended to every passage (E5: ``"passage: "``).
-        max_length: tokens per text; longer texts are truncated.
-        batch_size: texts per forward pass.
-        device: ``"auto"`` (CUDA when torch sees a GPU, else CPU), ``"cpu"``, ``"cuda"``
-            or ``"cuda:N"``. In a Ray actor without GPUs torch sees none, so ``"auto"``
-            follows the actor's ``num_gpus``.
-    """
+    """How to embed queries and passages (mean pooling, unit vectors)."""
 
     name: str = "minilm"
-    query_prefix: str = ""
-    passage_prefix: str = ""
+    """'minilm' (the embedded all-MiniLM-L6-v2), a preset ('e5-small-v2', 'e5-base-v2',
+    'e5-large-v2'), a Hugging Face id or a local folder. Nothing is downloaded when the hub
+    is unreachable."""
+    query_prefix: str | None = None
+    """Prepended to every query (None: the model's own: E5's 'query: ', else none)."""
+    passage_prefix: str | None = None
+    """Prepended to every passage (None: the model's own: E5's 'passage: ', else none)."""
     max_length: int = 256
+    """Tokens per text; longer texts are truncated."""
     batch_size: int = 64
+    """Texts per forward pass."""
     device: str = "auto"
+    """'auto' (CUDA when torch sees a GPU, else CPU), 'cpu', 'cuda' or 'cuda:N'. In a Ray
+    actor without GPUs torch sees none, so 'auto' follows the actor's num_gpus."""
 
     def __post_init__(self) -> None:
         if self.max_length < 1 or self.batch_size < 1:
@@ -200,9 +217,25 @@ class EncoderConfig:
                 f"max_length and batch_size must be >= 1, got {self.max_length}, {self.batch_size}"
             )
 
+    @property
+    def model(self) -> str:
+        """The model id or folder behind ``name`` (presets resolved)."""
+        return _preset(self.name)[0]
+
+    @property
+    def prefixes(self) -> tuple[str, str]:
+        """The query and passage prefixes in use (None resolved to the model's own)."""
+        _, query, passage = _preset(self.name)
+        return (
+            query if self.query_prefix is None else self.query_prefix,
+            passage if self.passage_prefix is None else self.passage_prefix,
+        )
+
 
 def resolve_encoder_path(name: str) -> str:
-    """The folder of an embedded encoder (``"minilm"``), or ``name`` unchanged."""
+    """The folder of an embedded encoder (``"minilm"``), the model of a preset, or ``name``
+    unchanged."""
+    name = _preset(name)[0]
     if name not in _EMBEDDED_ENCODERS:
         return name
     module, package = _EMBEDDED_ENCODERS[name]
@@ -255,12 +288,14 @@ class Encoder:
         self._torch = torch
 
     def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
-        """``(len(queries), dim)`` float32 unit vectors, with ``query_prefix`` prepended."""
-        return self._encode([self.config.query_prefix + q for q in queries])
+        """``(len(queries), dim)`` float32 unit vectors, with the query prefix prepended."""
+        prefix = self.config.prefixes[0]
+        return self._encode([prefix + q for q in queries])
 
     def encode_passages(self, passages: Sequence[str]) -> np.ndarray:
-        """``(len(passages), dim)`` float32 unit vectors, with ``passage_prefix`` prepended."""
-        return self._encode([self.config.passage_prefix + p for p in passages])
+        """``(len(passages), dim)`` float32 unit vectors, with the passage prefix prepended."""
+        prefix = self.config.prefixes[1]
+        return self._encode([prefix + p for p in passages])
 
     def _encode(self, texts: list[str]) -> np.ndarray:
         torch = self._torch
@@ -289,7 +324,7 @@ class Encoder:
         """What passage embeddings depend on; an index records it and checks it on load."""
         return {
             "name": self.config.name,
-            "passage_prefix": self.config.passage_prefix,
+            "passage_prefix": self.config.prefixes[1],
             "max_length": self.config.max_length,
             "dim": self.dim,
         }
@@ -301,30 +336,27 @@ _INDEX_KINDS = ("flat", "hnsw", "ivfpq")
 
 @dataclass(frozen=True, kw_only=True)
 class IndexConfig:
-    """Which faiss index to build. All use inner product on unit vectors (cosine).
-
-    Attributes:
-        kind: ``"flat"`` (exact, the default), ``"hnsw"`` or ``"ivfpq"``.
-        hnsw_m: HNSW graph degree ``M``.
-        ef_construction: HNSW build-time beam width.
-        ef_search: HNSW search-time beam width (>= topk for good recall).
-        nlist: IVF-PQ coarse clusters; training needs at least this many documents.
-        pq_m: IVF-PQ sub-quantizers; must divide the embedding dimension.
-        pq_nbits: bits per sub-quantizer code; training needs at least ``2**pq_nbits`` docs.
-        nprobe: IVF-PQ clusters visited per query.
-        use_gpu: ``None`` = on a GPU when faiss has GPU support and sees one (not for
-            HNSW, which faiss runs on CPU only); ``True`` = required; ``False`` = CPU.
-    """
+    """Which faiss index to build. All use inner product on unit vectors (cosine)."""
 
     kind: str = "flat"
+    """'flat' (exact), 'hnsw' or 'ivfpq'."""
     hnsw_m: int = 32
+    """HNSW graph degree M."""
     ef_construction: int = 200
+    """HNSW build-time beam width."""
     ef_search: int = 128
+    """HNSW search-time beam width (>= topk for good recall)."""
     nlist: int = 1024
+    """IVF-PQ coarse clusters; training needs at least this many documents."""
     pq_m: int = 16
+    """IVF-PQ sub-quantizers; must divide the embedding dimension."""
     pq_nbits: int = 8
+    """Bits per IVF-PQ sub-quantizer code; training needs at least 2**pq_nbits documents."""
     nprobe: int = 32
+    """IVF-PQ clusters visited per query."""
     use_gpu: bool | None = None
+    """None: on a GPU when faiss has GPU support and sees one (not for HNSW, which faiss
+    runs on CPU only); true: required; false: CPU."""
 
     def __post_init__(self) -> None:
         if self.kind not in _INDEX_KINDS:

@@ -28,7 +28,15 @@ from ray_credit.qa import check_gold_answers
 
 __all__ = ["QA_KEYS", "DataFormatError", "iter_corpus", "load_corpus", "load_qa", "prompt_stream"]
 
-QA_KEYS = ("id", "question", "golden_answers", "data_source", "supporting_doc_ids", "hops")
+QA_KEYS = (
+    "id",
+    "question",
+    "golden_answers",
+    "data_source",
+    "supporting_doc_ids",
+    "hops",
+    "reference_plan",
+)
 """The keys of every question record the loaders return (``None`` where a file has none)."""
 
 
@@ -191,6 +199,14 @@ def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source
         raise DataFormatError(
             f"{where}: 'supporting_doc_ids' must be a list of str, got {doc_ids!r}"
         )
+    plan = row.get("reference_plan")
+    if plan is not None and (
+        isinstance(plan, str) or not all(isinstance(step, str) and step.strip() for step in plan)
+    ):
+        raise DataFormatError(
+            f"{where}: 'reference_plan' must be a list of non-empty str (Search-P1's search "
+            f"steps), got {plan!r}"
+        )
     row_id = row.get("id")
     return {
         "id": _stable_id(index, question) if row_id is None else str(row_id),
@@ -199,6 +215,7 @@ def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source
         "data_source": row.get("data_source") or default_source,
         "supporting_doc_ids": None if doc_ids is None else list(doc_ids),
         "hops": row.get("hops"),
+        "reference_plan": None if plan is None else list(plan),
     }
 
 
@@ -224,7 +241,7 @@ def load_qa(path: str | os.PathLike) -> list[dict]:
     column, or else from ``reward_model.ground_truth.target``. A missing ``data_source``
     becomes the file's stem (``nq_test.parquet`` -> ``"nq_test"``); a missing ``id``
     becomes ``"row<index>-<hash of the question>"``, stable across loads; absent
-    ``supporting_doc_ids`` / ``hops`` are ``None``.
+    ``supporting_doc_ids`` / ``hops`` / ``reference_plan`` (Search-P1's) are ``None``.
 
     Raises:
         DataFormatError: no question column, an empty question, no golds, golds empty or

@@ -99,7 +99,8 @@ class World:
 
     ``corpus``: ``{"id", "contents"}`` documents (title line, then text).
     ``questions``: ``{"id", "question", "golden_answers", "data_source"
-    ("synthetic_1hop" | "synthetic_2hop"), "supporting_doc_ids" (hop order), "hops"}``.
+    ("synthetic_1hop" | "synthetic_2hop"), "supporting_doc_ids" (hop order), "hops",
+    "reference_plan" (None: Search-P1's plans are made by the pipeline)}``.
     """
 
     corpus: list[dict] = field(repr=False)
@@ -158,6 +159,7 @@ class World:
                 ("data_source", pa.string()),
                 ("supporting_doc_ids", pa.list_(pa.string())),
                 ("hops", pa.int64()),
+                ("reference_plan", pa.list_(pa.string())),
             ]
         )
         for name, rows in zip(
@@ -806,5 +808,8 @@ def make_world(config: WorldConfig | None = None, **overrides: Any) -> World:
     rng.shuffle(questions)
     for q in questions:
         del q["template"]
-    questions = [{"id": f"synthetic-{config.seed}-{i:05d}", **q} for i, q in enumerate(questions)]
+    questions = [
+        {"id": f"synthetic-{config.seed}-{i:05d}", **q, "reference_plan": None}
+        for i, q in enumerate(questions)
+    ]
     return World(corpus=corpus, questions=questions)

@@ -1,13 +1,21 @@
-"""What every pipeline script shares: its config tree and one ``train(config, stages)``.
+"""What every pipeline script shares: its config sections and one :func:`train` that reads
+top to bottom: data, the method's plan, services, evaluation before, the pipeline,
+evaluation after, outputs.
 
-A pipeline script (``pipelines/tspo.py``) is its estimator's config plus a few lines:
-parse the config, say which stages make its signals, call :func:`train`. ``train``
-connects to Ray (the cluster of ``ray job submit`` / ``RAY_ADDRESS``, else a local one),
-builds the data, the retriever, generators, an evaluation generator and the learner,
-evaluates exact match on held-out questions, runs the :class:`Pipeline`, evaluates again
-and writes, under ``output_dir/name``: ``metrics.jsonl`` (one line per step),
-``summary.json``, ``plot.png`` (reward and EM over steps), the checkpoint and wandb's run
-(offline unless asked).
+A pipeline script (``pipelines/tspo.py``) is a run config with its estimator's section
+plus one call: ``main(TSPORun, "tspo", __doc__, default_config=...)``. Settings come from,
+in order: the config classes' defaults (general ones: Search-R1's rollout protocol,
+verl's learner), the estimator's recipe (the loss, KL and signal settings its paper trains
+with; :mod:`ray_credit.pipeline.plan`), one YAML file (``--config``; by default
+``pipelines/configs/embedded.yaml``, the small CPU run of the embedded model) and the
+flags. ``--help`` shows the result.
+
+:func:`train` connects to Ray (the cluster of ``ray job submit`` / ``RAY_ADDRESS``, else
+a local one) and writes, under ``output_dir/name``: ``metrics.jsonl`` (one line per step),
+``summary.json``, ``plot.png`` (reward and EM over steps), the checkpoint, the retrieval
+index (reused by a resumed run), Search-P1's reference plans when it makes them, and
+wandb's run (offline unless asked). The driver never holds a batch: evaluation and
+training batches are read by Ray tasks and actors, the driver gets their summaries.
 """
 
 from __future__ import annotations
@@ -16,17 +24,18 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ray_credit.actors.generator import GeneratorConfig
+from ray_credit.actors.generator import RETRIEVAL_TIMEOUT_S, GeneratorConfig
 from ray_credit.actors.learner import LearnerConfig
+from ray_credit.actors.retriever import EncoderConfig, IndexConfig
 from ray_credit.data import WorldConfig
-from ray_credit.losses import PolicyLossConfig
+from ray_credit.pipeline.plan import Plan, make_plan, recipe_defaults
 from ray_credit.pipeline.runner import Pipeline, PipelineConfig
 
 __all__ = [
@@ -34,13 +43,17 @@ __all__ = [
     "EvalConfig",
     "JudgeConfig",
     "ResourcesConfig",
+    "RetrieverConfig",
     "RunConfig",
     "connect",
     "evaluate",
+    "load_config",
     "load_data",
+    "main",
     "make_generators",
     "make_judge_pool",
     "make_retriever",
+    "submit_evaluation",
     "train",
 ]
 
@@ -57,7 +70,7 @@ class DataConfig:
     """Questions held out for evaluation (taken from the question set, never trained on)."""
     eval_file: str | None = None
     """A separate evaluation question file (then nothing is held out of the training set)."""
-    world: WorldConfig = field(default_factory=lambda: WorldConfig(num_entities=60))
+    world: WorldConfig = field(default_factory=WorldConfig)
     """The synthetic world's settings."""
 
 
@@ -72,49 +85,65 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class RetrieverConfig:
+    """What the generators search: an index built here, or an existing server."""
+
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    """The query and passage encoder."""
+    index: IndexConfig = field(default_factory=IndexConfig)
+    """The faiss index."""
+    index_folder: str | None = None
+    """Where the index is saved, and loaded from when it is there (None:
+    output_dir/name/index, so a resumed run loads it instead of building it again)."""
+    url: str | None = None
+    """An existing Search-R1 style /retrieve server (http://host:port/retrieve) to search
+    instead of building an index; the corpus then only feeds the judges."""
+    timeout_s: float = RETRIEVAL_TIMEOUT_S
+    """Longest wait for one retrieval call from a generator."""
+
+
+@dataclass(frozen=True)
 class JudgeConfig:
     """The judge pool of CW-GRPO and Search-P1."""
 
     backend: str = "evidence"
-    """'evidence' (from gold answers and supporting documents), 'hf' or 'openai'."""
-    num_actors: int = 1
-    """Judge actors (0: in the driver)."""
+    """'evidence' (from gold answers and supporting documents, in the stage task), 'hf'
+    (a local model on judge actors) or 'openai' (any OpenAI-compatible endpoint)."""
     model: str | None = None
-    """hf: the judge model (id or folder); openai: the served model's name."""
+    """hf: the judge model (an embedded name, HF id or folder); openai: the served
+    model's name."""
     base_url: str | None = None
     """openai: the endpoint (e.g. a vLLM server's http://host:8000/v1)."""
+    num_actors: int = 1
+    """Judge actors of an LLM backend (the evidence judge needs none)."""
+    batch_size: int = 16
+    """Judgements per backend call."""
     max_concurrency: int = 8
-    """Judge calls in flight across the pool."""
+    """Backend calls in flight across the pool."""
     timeout_s: float = 60.0
-    """Per-call timeout."""
+    """Per backend call: one HTTP request (openai), one generate (hf)."""
     max_retries: int = 3
-    """Retries of a failed call before its judgements are null (and counted)."""
+    """Retries of a failed HTTP request, and of a call whose judge actor died."""
+    guided: bool | None = None
+    """Constrain replies to each signal's reply schema (None: on for hf, so small judges
+    answer in form; off for openai, where it asks for a json_schema response format)."""
 
+    def __post_init__(self) -> None:
+        from ray_credit.actors.judge import BACKENDS
 
-def make_judge_pool(cfg: JudgeConfig, corpus: Any, resources: ResourcesConfig | None = None):
-    """A JudgePool from its config section (``corpus`` feeds the evidence judge's titles;
-    ``resources.service_resource`` places its actors)."""
-    from ray_credit.actors.judge import JudgePool
+        if self.backend not in BACKENDS:
+            raise ValueError(f"judge.backend must be one of {BACKENDS}, got {self.backend!r}")
 
-    kwargs: dict[str, Any] = {}
-    if cfg.backend == "evidence":
-        from ray_credit.data.loaders import load_corpus
-
-        kwargs["corpus"] = load_corpus(corpus) if isinstance(corpus, (str, os.PathLike)) else corpus
-    elif cfg.backend == "hf":
-        kwargs["model"] = cfg.model
-    elif cfg.backend == "openai":
-        kwargs.update(model=cfg.model, base_url=cfg.base_url)
-    return JudgePool(
-        cfg.backend,
-        num_actors=cfg.num_actors,
-        max_concurrency=cfg.max_concurrency,
-        timeout_s=cfg.timeout_s,
-        max_retries=cfg.max_retries,
-        num_cpus=0.25,
-        resources=resources.custom("service") if resources is not None else None,
-        **kwargs,
-    )
+    def check(self) -> None:
+        """Checks across fields (once the whole config is assembled)."""
+        if self.backend != "evidence" and not self.model:
+            raise ValueError(f"judge.backend={self.backend!r} needs judge.model")
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("judge.backend='openai' needs judge.base_url (http://host:port/v1)")
+        if self.backend != "evidence" and self.num_actors < 1:
+            raise ValueError(
+                "an LLM judge runs on actors in a pipeline: judge.num_actors must be >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -131,7 +160,7 @@ class ResourcesConfig:
     """How often Ray may restart a generator whose process died; the pipeline re-sends it
     the current weights and the call it lost (0: a dead generator leaves the pool)."""
     learner_workers: int = 1
-    """Learner replicas (>1: Ray Train DDP)."""
+    """Learner replicas (>1: data parallel, strategy below)."""
     learner_cpus: float = 2.0
     """CPUs per learner replica."""
     learner_strategy: str = "ddp"
@@ -141,6 +170,8 @@ class ResourcesConfig:
     """Train on GPUs (one per learner replica)."""
     retriever_cpus: float = 0.25
     """CPUs of the retriever actor."""
+    judge_cpus: float = 0.25
+    """CPUs of each judge actor (LLM backends)."""
     eval_cpus: float = 2.0
     """CPUs of the evaluation generator (busy only before and after training)."""
     local_cpus: int | None = None
@@ -177,11 +208,6 @@ class RunConfig:
     """Run name: the output folder and the wandb run."""
     model: str = "smollm2-135m"
     """Policy: an embedded name, an HF id or a folder."""
-    encoder: str = "minilm"
-    """Retriever encoder: 'minilm', 'e5' or an HF id / folder."""
-    retriever_url: str | None = None
-    """An existing Search-R1 style `/retrieve` server (http://host:port/retrieve) to search
-    instead of building an index here; the corpus then only feeds the judges."""
     output_dir: str = "runs"
     """Outputs go to output_dir/name."""
     resume: str | None = None
@@ -189,31 +215,10 @@ class RunConfig:
     wandb: str = "offline"
     """'offline' (default), 'online' (needs a key: WANDB_API_KEY or `wandb login`) or 'disabled'."""
     data: DataConfig = field(default_factory=DataConfig)
-    generator: GeneratorConfig = field(
-        default_factory=lambda: GeneratorConfig(
-            group_size=4,
-            max_turns=2,
-            max_new_tokens=32,
-            topk=2,
-            prompt_template="search_tags_fewshot",
-            response_prefix="<search>",
-            final_turn_prefix="<answer>",
-            temperature=0.8,
-            top_p=0.95,
-            max_context_tokens=2048,
-        )
-    )
-    learner: LearnerConfig = field(
-        default_factory=lambda: LearnerConfig(
-            lr=1e-5,
-            temperature=0.8,
-            micro_batch_tokens=1024,  # logits of a 49k vocabulary: ~0.2 GB per 1k tokens
-            loss=PolicyLossConfig(agg_mode="token-mean"),
-        )
-    )
-    pipeline: PipelineConfig = field(
-        default_factory=lambda: PipelineConfig(steps=6, groups_per_step=4, max_staleness=1)
-    )
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -233,9 +238,9 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------- data
-def load_data(cfg: RunConfig):
-    """(corpus, training questions, evaluation questions)."""
-    data = cfg.data
+def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dict]]:
+    """(corpus, training questions, evaluation questions); ``seed`` (the pipeline's)
+    decides which questions are held out."""
     if data.questions == "synthetic":
         from ray_credit.data import make_world
 
@@ -253,12 +258,12 @@ def load_data(cfg: RunConfig):
         from ray_credit.data.loaders import load_qa
 
         return corpus, questions, load_qa(data.eval_file)
-    if data.eval_questions >= len(questions):
+    if not 0 < data.eval_questions < len(questions):
         raise ValueError(
-            f"data.eval_questions={data.eval_questions} leaves no training question out of "
-            f"{len(questions)}"
+            f"data.eval_questions={data.eval_questions} must hold out at least one of the "
+            f"{len(questions)} questions and leave at least one to train on"
         )
-    order = np.random.default_rng(cfg.pipeline.seed + 7919).permutation(len(questions))
+    order = np.random.default_rng(seed + 7919).permutation(len(questions))
     held = set(order[: data.eval_questions].tolist())
     train_q = [q for i, q in enumerate(questions) if i not in held]
     eval_q = [questions[i] for i in sorted(held)]
@@ -266,28 +271,43 @@ def load_data(cfg: RunConfig):
 
 
 # ----------------------------------------------------------------------------- eval
-def evaluate(generator: Any, questions: Sequence[Mapping[str, Any]], timeout_s: float) -> dict:
-    """Exact match (overall and per data source) of one greedy rollout per question."""
-    import ray
-
-    batch = ray.get(generator.generate.remote(list(questions)), timeout=timeout_s)
+def _eval_summary(batch: Any) -> dict[str, Any]:
+    """Exact match of one rollout per question, overall and per data source (runs where
+    the batch is, in a Ray task)."""
     reward = batch.traj_values("outcome_reward")
     sources = batch.column("data_source").to_pylist()
     per_source: dict[str, list[float]] = {}
     for source, r in zip(sources, reward, strict=True):
         per_source.setdefault(source or "unknown", []).append(float(r >= 1.0))
-    m = batch.metrics
+    m, n = batch.metrics, max(len(batch), 1)
     return {
         "em": float((reward >= 1.0).mean()),
         "em_by_source": {k: float(np.mean(v)) for k, v in sorted(per_source.items())},
-        "answered": m.get("gen/answered", 0.0) / max(len(batch), 1),
-        "searches_per_traj": m.get("gen/searches", 0.0) / max(len(batch), 1),
+        "count_by_source": {k: len(v) for k, v in sorted(per_source.items())},
+        "answered": m.get("gen/answered", 0.0) / n,
+        "searches_per_traj": m.get("gen/searches", 0.0) / n,
         "questions": len(batch),
     }
 
 
-# ----------------------------------------------------------------------------- run
-def connect(cfg: RunConfig):
+def submit_evaluation(generator: Any, questions: Sequence[Mapping[str, Any]]) -> Any:
+    """An ObjectRef to the exact match (overall and per data source) of ``generator``'s
+    rollouts of ``questions``; the batch is summarized by a task, never fetched here."""
+    import ray
+
+    batch = generator.generate.remote(list(questions))
+    return ray.remote(_eval_summary).options(num_cpus=0).remote(batch)
+
+
+def evaluate(generator: Any, questions: Sequence[Mapping[str, Any]], timeout_s: float) -> dict:
+    """:func:`submit_evaluation`, waited for."""
+    import ray
+
+    return ray.get(submit_evaluation(generator, questions), timeout=timeout_s)
+
+
+# ----------------------------------------------------------------------------- services
+def connect(cfg: Any):
     """Ray: the cluster of RAY_ADDRESS (``ray job submit`` sets it), else a local one."""
     import ray
 
@@ -304,28 +324,106 @@ def connect(cfg: RunConfig):
     return ray
 
 
-def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
-    """Run one training job; ``stages(ctx)`` returns the stage list. ``ctx`` has the
-    config, the retriever handle, the corpus, and ``weight_targets``: a list where a
-    stage that needs the current policy (an info-gain scorer actor) puts its actor.
-    Returns the summary it writes."""
+def make_retriever(corpus: Any, cfg: RetrieverConfig, res: ResourcesConfig, index_folder: str):
+    """What generators search: a client of the server at ``cfg.url`` (each generator gets
+    its own copy), else a retriever actor over ``corpus`` (index saved in / loaded from
+    ``index_folder``)."""
+    if cfg.url:
+        from ray_credit.actors.retrieval_server import RemoteRetriever
+
+        retriever = RemoteRetriever(cfg.url)
+        retriever.search(["connection check"], 1)  # a wrong URL fails here, not mid-run
+        return retriever
+    from ray_credit.actors.retriever import make_retriever_actor
+
+    return make_retriever_actor(
+        corpus,
+        encoder=cfg.encoder,
+        index=cfg.index,
+        index_folder=index_folder,
+        num_cpus=res.retriever_cpus,
+        resources=res.custom("service"),
+    )
+
+
+def make_generators(
+    model: str,
+    retriever: Any,
+    cfg: Any,
+    generator: GeneratorConfig,
+    *,
+    prefix: str | None,
+    count: int | None = None,
+    num_cpus: float | None = None,
+) -> list:
+    """``count`` (default ``resources.num_generators``) generator actors named ``prefix0``,
+    ... (None: unnamed), each with ``num_cpus`` (default ``resources.generator_cpus``), the
+    GPUs and the custom generator resource of ``cfg.resources``."""
+    from ray_credit.actors.generator import make_generator_actor
+
+    res = cfg.resources
+    return [
+        make_generator_actor(
+            model,
+            retriever,
+            generator,
+            num_cpus=res.generator_cpus if num_cpus is None else num_cpus,
+            num_gpus=res.generator_gpus,
+            resources=res.custom("generator"),
+            max_restarts=res.generator_max_restarts,
+            device="cuda" if res.generator_gpus else "cpu",
+            name=None if prefix is None else f"{prefix}{i}",
+            retrieval_timeout_s=cfg.retriever.timeout_s,
+        )
+        for i in range(res.num_generators if count is None else count)
+    ]
+
+
+def make_judge_pool(cfg: JudgeConfig, res: ResourcesConfig):
+    """A JudgePool from its config section. The evidence judge needs no actors and no
+    corpus: its rules read the batch (and its signals need no reference plans)."""
+    from ray_credit.actors.judge import JudgePool
+
+    if cfg.backend == "evidence":
+        return JudgePool("evidence")
+    kwargs = {"base_url": cfg.base_url} if cfg.backend == "openai" else {}
+    return JudgePool(
+        cfg.backend,
+        num_actors=cfg.num_actors,
+        max_concurrency=cfg.max_concurrency,
+        batch_size=cfg.batch_size,
+        timeout_s=cfg.timeout_s,
+        max_retries=cfg.max_retries,
+        guided=cfg.guided,
+        num_cpus=res.judge_cpus,
+        resources=res.custom("service"),
+        model=cfg.model,
+        **kwargs,
+    )
+
+
+def make_scorer(cfg: Any, plan: Plan):
+    """The info-gain scorer actor on the policy model (it joins the weight targets)."""
+    from ray_credit.actors.scorer import make_scorer_actor
+
+    (signal,) = [s for s in plan.signals if s.service == "scorer"]
+    res = cfg.resources
+    return make_scorer_actor(
+        cfg.model,
+        mode=signal.mode,
+        max_batch_tokens=signal.max_batch_tokens,
+        num_cpus=res.generator_cpus,
+        num_gpus=res.generator_gpus,
+        resources=res.custom("generator"),
+        device="cuda" if res.generator_gpus else "cpu",
+    )
+
+
+def make_learner(cfg: Any):
     from ray_credit.actors.learner_group import LearnerGroup
 
-    cfg.check()
-    t_start = time.perf_counter()
-    out = Path(cfg.output_dir) / cfg.name
-    out.mkdir(parents=True, exist_ok=True)
-    ray = connect(cfg)
     res = cfg.resources
-    _warn_if_short(ray, cfg)
-    corpus, train_q, eval_q = load_data(cfg)
-    print(f"data: {len(train_q)} training questions, {len(eval_q)} held out", flush=True)
-    retriever = make_retriever(corpus, cfg.encoder, cfg.retriever_url, res)
-    generators = make_generators(cfg.model, retriever, cfg.generator, res, prefix="gen")
-    ctx = _Context(cfg=cfg, retriever=retriever, corpus=corpus, ray=ray)
-    stage_list = stages(ctx)
-    checkpoint = out / "checkpoint"
-    learner = LearnerGroup(
+    return LearnerGroup(
         cfg.model,
         cfg.learner,
         num_workers=res.learner_workers,
@@ -339,92 +437,172 @@ def train(cfg: RunConfig, stages: Callable[[Any], list[Callable]]) -> dict:
         timeout_s=cfg.pipeline.timeout_s,
         strategy=res.learner_strategy,
     )
-    pipe_cfg = cfg.pipeline
-    if pipe_cfg.checkpoint_dir is None:
-        pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(checkpoint))
-    logger = _Logger(cfg, out)
-    summary: dict[str, Any] = {"config": asdict(cfg), "output_dir": str(out)}
 
-    def eval_generator(version: int):
-        """A greedy generator on the learner's weights of ``version``; started for each
-        evaluation and killed after it, so that it holds no resources while training."""
-        greedy = replace(
-            cfg.generator,
-            temperature=0.0,
-            group_size=1,
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.generator.max_new_tokens,
-        )
-        (actor,) = make_generators(
-            cfg.model, retriever, greedy, res, prefix=None, count=1, num_cpus=res.eval_cpus
-        )
-        if version > 0:
-            ray.get(
-                actor.update_weights.remote(version, learner.weights()),
-                timeout=pipe_cfg.timeout_s,
-            )
-        return actor
 
-    if cfg.eval.enabled:
+def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: Path) -> list[dict]:
+    """The questions with Search-P1's reference plans: the question file's, else the
+    cached ones (``cache``, JSON lines), else made now by the judge pool and cached."""
+    if not plan.question_signals:
+        return questions
+    (signal,) = plan.question_signals
+    known = {}
+    if cache.is_file():
+        for line in cache.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            known[row["question"]] = row["reference_plan"]
+    todo = [q for q in questions if not q.get("reference_plan") and q["question"] not in known]
+    if todo:
         t0 = time.perf_counter()
-        eval_gen = eval_generator(learner.policy_version)  # resumed: the resumed policy
-        summary["eval_before"] = evaluate(eval_gen, eval_q, pipe_cfg.timeout_s)
-        ray.kill(eval_gen)
+        made = judges.judge(signal, todo)
+        with cache.open("a", encoding="utf-8") as out:
+            for q, value in zip(todo, made, strict=True):
+                plan_steps = None if value is None else value["reference_plan"]
+                known[q["question"]] = plan_steps
+                out.write(
+                    json.dumps({"question": q["question"], "reference_plan": plan_steps}) + "\n"
+                )
+        failed = sum(v is None for v in made)
         print(
-            f"eval before training: EM {summary['eval_before']['em']:.3f} on {len(eval_q)} "
-            f"held-out questions ({time.perf_counter() - t0:.0f}s)",
+            f"reference plans: {len(todo) - failed} made, {failed} failed (their trajectories "
+            f"go unjudged, counted in judge/no_evidence), {time.perf_counter() - t0:.0f}s; "
+            f"kept in {cache}",
             flush=True,
         )
-        logger.log({"eval/em": summary["eval_before"]["em"]}, step=0)
+    return [
+        q if q.get("reference_plan") else {**q, "reference_plan": known[q["question"]]}
+        for q in questions
+    ]
 
+
+# ----------------------------------------------------------------------------- the run
+def train(cfg: Any, estimator: str) -> dict:
+    """Run one training job of ``estimator`` with ``cfg``; returns the summary it writes."""
+    from ray_credit.pipeline.outputs import Logger, plot
+
+    cfg.check()
+    t_start = time.perf_counter()
+    out = Path(cfg.output_dir).resolve() / cfg.name
+    out.mkdir(parents=True, exist_ok=True)
+    # Data and the method's plan: everything that can be refused is refused here.
+    corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.pipeline.seed)
+    plan = make_plan(cfg, estimator, train_q)
+    for departure in plan.departures:
+        print(f"note: departs from {estimator}'s recipe: {departure}", flush=True)
+    # Services: retriever, judges, scorer, generators, learner.
+    ray = connect(cfg)
+    _warn_if_short(ray, cfg, plan)
+    print(f"data: {len(train_q)} training questions, {len(eval_q)} held out", flush=True)
+    retriever = make_retriever(
+        corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder or str(out / "index")
+    )
+    judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
+    scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
+    train_q = with_reference_plans(plan, judges, train_q, out / "reference_plans.jsonl")
+    generators = make_generators(cfg.model, retriever, cfg, cfg.generator, prefix="gen")
+    learner = make_learner(cfg)
+    logger = Logger(cfg, out)
+    summary: dict[str, Any] = {
+        "config": asdict(cfg),
+        "estimator": estimator,
+        "departures": list(plan.departures),
+        "output_dir": str(out),
+    }
+    # Evaluation before training (a resumed run: of the resumed policy).
+    if cfg.eval.enabled:
+        summary["eval_before"] = _evaluate_policy(
+            cfg, retriever, learner, eval_q, "before training"
+        )
+        logger.log({"eval/em": summary["eval_before"]["em"]}, step=0)
+    # The pipeline.
+    pipe_cfg = cfg.pipeline
+    if pipe_cfg.checkpoint_dir is None:
+        pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(out / "checkpoint"))
     pipeline = Pipeline(
         generators,
         learner,
         train_q,
-        stage_list,
+        plan.stages(judges=judges, scorer=scorer, timeout_s=pipe_cfg.timeout_s),
         pipe_cfg,
-        weight_targets=ctx.weight_targets,
+        weight_targets=[scorer] if scorer is not None else [],
         resume_from=cfg.resume,
         on_step=lambda m: logger.step(m, pipe_cfg.steps),
     )
     history = pipeline.run()
-    summary["steps"] = pipeline.step
-    summary["groups_trained"] = len(pipeline.trained_groups)
-    summary["checkpoint"] = pipe_cfg.checkpoint_dir
-
+    summary.update(
+        steps=pipeline.step,
+        groups_trained=len(pipeline.trained_groups),
+        checkpoint=pipe_cfg.checkpoint_dir,
+    )
+    # Evaluation after training.
     if cfg.eval.enabled:
-        eval_gen = eval_generator(pipeline.version)
-        summary["eval_after"] = evaluate(eval_gen, eval_q, pipe_cfg.timeout_s)
-        ray.kill(eval_gen)
-        logger.log({"eval/em": summary["eval_after"]["em"]}, step=pipeline.step)
-        print(
-            f"eval after {pipeline.step} steps: EM {summary['eval_after']['em']:.3f} "
-            f"(before: {summary['eval_before']['em']:.3f})",
-            flush=True,
+        summary["eval_after"] = _evaluate_policy(
+            cfg, retriever, learner, eval_q, f"after {pipeline.step} steps"
         )
+        logger.log({"eval/em": summary["eval_after"]["em"]}, step=pipeline.step)
+        print(f"(before training: EM {summary['eval_before']['em']:.3f})", flush=True)
+    # Outputs.
     summary["final_step_metrics"] = history[-1] if history else {}
     summary["seconds"] = time.perf_counter() - t_start
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    _plot(logger.rows, summary, out / "plot.png")
+    plot(logger.rows, summary, out / "plot.png")
     logger.finish()
     learner.shutdown()
     print(
-        f"wrote {out}/summary.json, {out}/plot.png, {out}/metrics.jsonl, checkpoint {pipe_cfg.checkpoint_dir}"
+        f"wrote {out}/summary.json, {out}/plot.png, {out}/metrics.jsonl, checkpoint "
+        f"{pipe_cfg.checkpoint_dir}",
+        flush=True,
     )
     return summary
 
 
-def _warn_if_short(ray: Any, cfg: RunConfig) -> None:
+def _evaluate_policy(
+    cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str
+) -> dict:
+    """Exact match of a greedy generator on the learner's current weights; the generator
+    lives only for the evaluation, so it holds no resources while training."""
+    import ray
+
+    t0 = time.perf_counter()
+    greedy = replace(
+        cfg.generator,
+        temperature=0.0,
+        group_size=1,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.generator.max_new_tokens,
+    )
+    (actor,) = make_generators(
+        cfg.model, retriever, cfg, greedy, prefix=None, count=1, num_cpus=cfg.resources.eval_cpus
+    )
+    version = learner.policy_version
+    if version > 0:
+        ray.get(
+            actor.update_weights.remote(version, learner.weights()), timeout=cfg.pipeline.timeout_s
+        )
+    result = evaluate(actor, questions, cfg.pipeline.timeout_s)
+    ray.kill(actor)
+    print(
+        f"eval {when}: EM {result['em']:.3f} on {len(questions)} held-out questions (policy "
+        f"version {version}, {time.perf_counter() - t0:.0f}s)",
+        flush=True,
+    )
+    return result
+
+
+def _warn_if_short(ray: Any, cfg: Any, plan: Plan) -> None:
     """Say so when the cluster has less of a resource than the run's main actors ask for
-    (generators, learner, retriever, evaluation generator): they would wait (for an
-    autoscaler, or forever) without a word from Ray."""
+    (they would wait, for an autoscaler or forever, without a word from Ray)."""
     from collections import Counter
 
     res = cfg.resources
+    judge_actors = (
+        cfg.judge.num_actors if "judge" in plan.services and cfg.judge.backend != "evidence" else 0
+    )
     actors = [  # (how many, CPUs, GPUs, role) of each kind
         (res.num_generators, res.generator_cpus, res.generator_gpus, "generator"),
         (int(cfg.eval.enabled), res.eval_cpus, res.generator_gpus, "generator"),
+        (int("scorer" in plan.services), res.generator_cpus, res.generator_gpus, "generator"),
         (res.learner_workers, res.learner_cpus, float(res.use_gpu), "learner"),
-        (0 if cfg.retriever_url else 1, res.retriever_cpus, 0.0, "service"),
+        (0 if cfg.retriever.url else 1, res.retriever_cpus, 0.0, "service"),
+        (judge_actors, res.judge_cpus, 0.0, "service"),
     ]
     wanted: Counter[str] = Counter()
     for count, cpus, gpus, role in actors:
@@ -442,158 +620,35 @@ def _warn_if_short(ray: Any, cfg: RunConfig) -> None:
         )
 
 
-def make_retriever(corpus: Any, encoder: str, url: str | None, res: ResourcesConfig) -> Any:
-    """What generators search: a client of the server at ``url`` (each generator gets its
-    own copy), else a retriever actor over ``corpus`` with the resources of ``res``."""
-    if url:
-        from ray_credit.actors.retrieval_server import RemoteRetriever
-
-        retriever = RemoteRetriever(url)
-        retriever.search(["connection check"], 1)  # a wrong URL fails here, not mid-run
-        return retriever
-    from ray_credit.actors.retriever import make_retriever_actor
-
-    return make_retriever_actor(
-        corpus, encoder=encoder, num_cpus=res.retriever_cpus, resources=res.custom("service")
-    )
-
-
-def make_generators(
-    model: str,
-    retriever: Any,
-    config: GeneratorConfig,
-    res: ResourcesConfig,
+def load_config(
+    cls: type,
+    estimator: str,
+    argv: Sequence[str] | None = None,
     *,
-    prefix: str | None,
-    count: int | None = None,
-    num_cpus: float | None = None,
-) -> list:
-    """``count`` (default ``res.num_generators``) generator actors named ``prefix0``, ...
-    (None: unnamed), each with ``num_cpus`` (default ``res.generator_cpus``), the GPUs and
-    the custom generator resource of ``res``."""
-    from ray_credit.actors.generator import make_generator_actor
-
-    return [
-        make_generator_actor(
-            model,
-            retriever,
-            config,
-            num_cpus=res.generator_cpus if num_cpus is None else num_cpus,
-            num_gpus=res.generator_gpus,
-            resources=res.custom("generator"),
-            max_restarts=res.generator_max_restarts,
-            device="cuda" if res.generator_gpus else "cpu",
-            name=None if prefix is None else f"{prefix}{i}",
-        )
-        for i in range(res.num_generators if count is None else count)
-    ]
-
-
-@dataclass
-class _Context:
-    cfg: RunConfig
-    retriever: Any
-    corpus: Any
-    ray: Any
-    weight_targets: list = field(default_factory=list)
-
-
-class _Logger:
-    """metrics.jsonl, a progress line per step, and wandb (offline by default)."""
-
-    def __init__(self, cfg: RunConfig, out: Path):
-        self.rows: list[dict] = []
-        self.file = (out / "metrics.jsonl").open("a")
-        self.run = None
-        self.started = time.perf_counter()
-        if cfg.wandb != "disabled":
-            try:
-                import wandb
-            except ImportError as err:
-                raise ImportError(
-                    "wandb logging needs `pip install ray-credit[pipeline]` (or pass --wandb disabled)"
-                ) from err
-            self.run = wandb.init(
-                project="ray_credit",
-                name=cfg.name,
-                dir=str(out),
-                mode=cfg.wandb,
-                config=asdict(cfg),
-                reinit=True,
-            )
-
-    def log(self, metrics: dict, step: int) -> None:
-        if self.run is not None:
-            self.run.log(metrics, step=step)
-
-    def step(self, metrics: dict, total: int) -> None:
-        row = {k: float(v) for k, v in metrics.items()}
-        self.rows.append(row)
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        self.log(row, step=int(row["pipeline/step"]))
-        elapsed = time.perf_counter() - self.started
-        print(
-            f"step {int(row['pipeline/step'])}/{total}  reward {row.get('train/reward_mean', 0):.3f}  "
-            f"EM {row.get('train/em', 0):.3f}  loss {row.get('learner/loss', 0):+.4f}  "
-            f"kl {row.get('learner/approx_kl', 0):.2e}  stale≤{int(row.get('staleness/max', 0))}  "
-            f"gen {row.get('gen/tokens_per_s', 0):.0f} tok/s  step {row.get('time/step_s', 0):.0f}s  "
-            f"[{elapsed / 60:.1f} min]",
-            flush=True,
-        )
-
-    def finish(self) -> None:
-        self.file.close()
-        if self.run is not None:
-            self.run.finish()
-
-
-def _plot(rows: list[dict], summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [r["pipeline/step"] for r in rows]
-    ax.plot(steps, [r.get("train/reward_mean", 0) for r in rows], marker="o", label="train reward")
-    ax.plot(steps, [r.get("train/em", 0) for r in rows], marker=".", label="train EM")
-    evals = [(0, summary.get("eval_before")), (summary.get("steps", 0), summary.get("eval_after"))]
-    points = [(s, e["em"]) for s, e in evals if e]
-    if points:
-        ax.plot(*zip(*points, strict=True), marker="s", linestyle="--", label="held-out EM")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward / exact match")
-    ax.set_title(summary["config"]["name"])
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def main(cls: type, argv: Sequence[str] | None, doc: str, stages) -> dict:
-    """Parse ``cls`` from the command line / YAML and run :func:`train`."""
+    doc: str | None = None,
+    default_config: str | Path | None = None,
+) -> Any:
+    """``cls`` from its defaults, the estimator's recipe, the YAML file (``--config``, else
+    ``default_config``) and the flags in ``argv``, in that order."""
     from ray_credit.config import parse_config
 
-    cfg = parse_config(cls, sys.argv[1:] if argv is None else argv, description=doc)
-    return train(cfg, stages)
-
-
-def scorer_stage(ctx: Any, mode: str) -> Callable:
-    """An info-gain scorer actor on the policy model, kept on the current weights (it
-    joins ``ctx.weight_targets``), as a stage."""
-    from ray_credit.actors.scorer import make_scorer_actor
-    from ray_credit.pipeline.runner import actor_stage
-
-    res = ctx.cfg.resources
-    scorer = make_scorer_actor(
-        ctx.cfg.model,
-        mode=mode,
-        num_cpus=res.generator_cpus,
-        num_gpus=res.generator_gpus,
-        resources=res.custom("generator"),
-        device="cuda" if res.generator_gpus else "cpu",
+    return parse_config(
+        cls,
+        sys.argv[1:] if argv is None else argv,
+        description=doc,
+        defaults=recipe_defaults(cls(), estimator),
+        default_config=default_config,
     )
-    ctx.weight_targets.append(scorer)
-    return actor_stage(scorer.score, name="info_gain", timeout_s=ctx.cfg.pipeline.timeout_s)
+
+
+def main(
+    cls: type,
+    estimator: str,
+    doc: str,
+    *,
+    default_config: str | Path | None = None,
+    argv: Sequence[str] | None = None,
+) -> dict:
+    """What a pipeline script runs: :func:`load_config`, then :func:`train`."""
+    cfg = load_config(cls, estimator, argv, doc=doc, default_config=default_config)
+    return train(cfg, estimator)

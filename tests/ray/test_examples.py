@@ -49,3 +49,16 @@ def test_external_retriever_example(ray_cluster):
 def test_custom_estimator_example_trains_with_it(ray_cluster):
     stdout = run_example(ray_cluster, "custom_estimator.py", "--train", "2")
     assert "trained 2 steps with discounted_grpo: mean discount" in stdout
+
+
+def test_custom_signal_example_trains_with_it(ray_cluster):
+    """A user's judged signal and estimator, registered at run time: the pipeline built
+    from the estimator's declaration fills the signal on every chunk."""
+    stdout = run_example(ray_cluster, "custom_signal.py", "--train", "2")
+    assert "answer_grounded: [1, 0]" in stdout
+    line = stdout.split("trained 2 steps with grounded_grpo (evidence judge): ")[1]
+    judged = int(line.split()[0])
+    assert judged == 8  # 2 groups x G=4 trajectories, each judged or counted
+    stdout = run_example(ray_cluster, "custom_signal.py", "--train", "1", "--judge", "hf")
+    line = stdout.split("trained 1 steps with grounded_grpo (hf judge): ")[1]
+    assert "0 unjudged" in line or "unjudged" in line

@@ -78,3 +78,41 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     assert result["model"].endswith("checkpoint/learner/model") and result["questions"] == 4
     assert set(result["em_by_source"]) <= {"synthetic_1hop", "synthetic_2hop"}
     assert "all" in stdout
+
+
+@pytest.mark.slow
+def test_search_p1_with_an_llm_judge_makes_plans_and_scores_paths(ray_cluster, tmp_path):
+    """Search-P1 with an LLM judge (a tiny random model, guided into the reply's form):
+    reference plans are made before training and kept, every trajectory is evaluated
+    against its question's plan, and the estimator reads non-null planner scores."""
+    args = [
+        *SMALL, "--pipeline.steps", "1", "--output_dir", str(tmp_path), "--wandb", "disabled",
+        "--eval.enabled", "false", "--judge.backend", "hf", "--judge.model", "tiny-random",
+        "--resources.judge_cpus", "0.5",
+    ]  # fmt: skip
+    stdout = run("search_p1.py", args, ray_cluster)
+    assert "reference plans:" in stdout
+    out = tmp_path / "search_p1"
+    plans = [json.loads(line) for line in (out / "reference_plans.jsonl").read_text().splitlines()]
+    assert plans and all(p["reference_plan"] for p in plans)  # guided: every plan parses
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trajectories = row["gen/trajectories"]
+    assert row["judge/requests"] == trajectories and row.get("judge/no_evidence", 0) == 0
+    assert row.get("judge/unparseable", 0) == 0
+    assert row["search_p1/evaluator_missing"] == 0  # every trajectory has its planner score
+    assert row["time/stage_search_p1_evaluation_s"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["departures"] == [] and summary["config"]["learner"]["loss"]["clip_high"] == 0.28
+
+
+@pytest.mark.slow
+def test_a2tgpo_pipeline_trains_at_turn_level(ray_cluster, tmp_path):
+    args = [*SMALL, "--pipeline.steps", "1", "--output_dir", str(tmp_path), "--wandb", "disabled",
+            "--eval.enabled", "false"]  # fmt: skip
+    run("a2tgpo.py", args, ray_cluster)
+    summary = json.loads((tmp_path / "a2tgpo" / "summary.json").read_text())
+    loss = summary["config"]["learner"]["loss"]
+    assert (loss["ratio_level"], loss["clip_low"], loss["clip_high"]) == ("turn", 0.003, 0.004)
+    assert summary["config"]["info_gain"]["mode"] == "log_prob_diff"
+    last = summary["final_step_metrics"]
+    assert last["scorer/forward_rows"] > 0 and "learner/clipfrac" in last

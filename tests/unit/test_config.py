@@ -86,8 +86,13 @@ def test_pipeline_configs_parse_with_every_field_documented():
     from ray_credit.config import _leaves
     from ray_credit.pipeline.recipe import RunConfig
 
-    undocumented = [name for name, _k, _d, doc in _leaves(RunConfig) if not doc]
-    assert undocumented == []
+    from ray_credit.pipeline.recipe import JudgeConfig
+    from ray_credit.signals.cw_grpo_judgement import CWGRPOJudgement
+    from ray_credit.signals.info_gain import InfoGain
+
+    for cls in (RunConfig, JudgeConfig, CWGRPOJudgement, InfoGain):
+        undocumented = [name for name, _k, _d, doc in _leaves(cls) if not doc]
+        assert undocumented == [], cls
     cfg = parse_config(
         RunConfig,
         ["--learner.lr", "3e-5", "--generator.temperature", "1.0", "--learner.temperature", "1.0"],
@@ -99,5 +104,29 @@ def test_cross_section_check_runs_once_at_the_end(capsys):
     from ray_credit.pipeline.recipe import RunConfig
 
     with pytest.raises(SystemExit):
-        parse_config(RunConfig, ["--generator.temperature", "1.0"])
+        parse_config(RunConfig, ["--generator.temperature", "0.7"])
     assert "--generator.temperature T --learner.temperature T together" in capsys.readouterr().err
+
+
+def test_pairs_take_two_values_and_yaml_errors_name_the_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(Outer, ["--inner.betas", "0.9"])
+    assert "takes 2 values" in capsys.readouterr().err
+    file = tmp_path / "bad.yaml"
+    file.write_text("inner: [unclosed\n")
+    with pytest.raises(SystemExit):
+        parse_config(Outer, ["--config", str(file)])
+    assert f"--config {file}: not a readable YAML file" in capsys.readouterr().err
+
+
+def test_default_config_file_and_skipped_sections(tmp_path):
+    file = tmp_path / "defaults.yaml"
+    file.write_text("name: from_default\nother_script: {x: 1}\n")
+    cfg = parse_config(Outer, [], default_config=file, skip_sections=("other_script",))
+    assert cfg.name == "from_default"
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("flag: true\n")  # replaces the default file, not layered on it
+    cfg = parse_config(
+        Outer, ["--config", str(mine)], default_config=file, skip_sections=("other_script",)
+    )
+    assert cfg.name == "run" and cfg.flag

@@ -141,6 +141,7 @@ def test_golden_answers_column_wins_and_source_defaults_to_file_stem(tmp_path):
         "data_source": "my_set",
         "supporting_doc_ids": None,
         "hops": None,
+        "reference_plan": None,
     }
 
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
+
+from ray_credit.estimators.tspo import TSPOConfig
+from ray_credit.pipeline.recipe import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +40,79 @@ def test_help_and_bad_flags():
     assert bad.returncode == 2 and "--pipeline.steps" in bad.stderr
 
 
+@dataclass(frozen=True)
+class TSPORun(RunConfig):
+    tspo: TSPOConfig = field(default_factory=TSPOConfig)
+
+
+def load(script: str, cls_name: str):
+    """A pipeline script's run config class (the scripts are not a package)."""
+    name = "pipelines_" + script.removesuffix(".py")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "pipelines" / script)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    module = sys.modules[name]
+    return getattr(module, cls_name)
+
+
+EMBEDDED = ROOT / "pipelines" / "configs" / "embedded.yaml"
+
+
+def test_a2tgpo_trains_with_its_papers_turn_level_loss(capsys):
+    """The estimator's declaration is the pipeline's default: A2TGPO's turn-level ratio,
+    clip range and log-prob information gain; a flag that changes it is a departure the
+    plan reports."""
+    from ray_credit.pipeline.plan import make_plan
+    from ray_credit.pipeline.recipe import load_config
+
+    run = load("a2tgpo.py", "A2TGPORun")
+    cfg = load_config(run, "a2tgpo", [], default_config=EMBEDDED)
+    loss = cfg.learner.loss
+    assert (loss.ratio_level, loss.clip_low, loss.clip_high) == ("turn", 3e-3, 4e-3)
+    assert cfg.info_gain.mode == "log_prob_diff" and cfg.learner.kl_coef == 0.0
+    questions = [{"question": "q?", "golden_answers": ["a"]}]
+    plan = make_plan(cfg, "a2tgpo", questions)
+    assert plan.departures == () and [s.name for s in plan.signals] == ["info_gain"]
+    changed = load_config(
+        run, "a2tgpo", ["--learner.loss.ratio_level", "token"], default_config=EMBEDDED
+    )
+    assert make_plan(changed, "a2tgpo", questions).departures == (
+        "learner.loss.ratio_level = 'token' (recipe: 'turn')",
+    )
+    igpo = load_config(load("igpo.py", "IGPORun"), "igpo", [], default_config=EMBEDDED)
+    assert igpo.learner.loss.ratio_level == "token" and igpo.info_gain.mode == "prob_diff"
+    assert igpo.learner.kl_coef == 1e-3
+
+
+def test_plans_refuse_what_cannot_work():
+    from ray_credit.pipeline.plan import make_plan
+    from ray_credit.pipeline.recipe import load_config
+
+    cw = load_config(load("cw_grpo.py", "CWGRPORun"), "cw_grpo", [], default_config=EMBEDDED)
+    no_support = [{"question": "q?", "golden_answers": ["a"], "supporting_doc_ids": None}]
+    with pytest.raises(
+        ValueError, match="no training question has supporting_doc_ids.*--judge.backend hf"
+    ):
+        make_plan(cw, "cw_grpo", no_support)
+    sp1 = load_config(
+        load("search_p1.py", "SearchP1Run"), "search_p1",
+        ["--judge.backend", "hf", "--judge.model", "tiny-random"], default_config=EMBEDDED,
+    )  # fmt: skip
+    plan = make_plan(sp1, "search_p1", no_support)  # an LLM judge: plans are made first
+    assert [s.name for s in plan.question_signals] == ["reference_plan"]
+    with_plans = [{**no_support[0], "reference_plan": ["find q"]}]
+    assert make_plan(sp1, "search_p1", with_plans).question_signals == ()
+    igpo = load_config(
+        load("igpo.py", "IGPORun"),
+        "igpo",
+        ["--pipeline.weight_sync", "gloo"],
+        default_config=EMBEDDED,
+    )
+    with pytest.raises(ValueError, match="weight_sync='gloo'.*object_store"):
+        make_plan(igpo, "igpo", no_support)
+
+
 class _FakeRay:
     def __init__(self, resources):
         self.resources = resources
@@ -42,7 +122,9 @@ class _FakeRay:
 
 
 def test_custom_resources_and_shortfall_warning(capsys):
-    from ray_credit.pipeline.recipe import ResourcesConfig, RunConfig, _warn_if_short
+    from ray_credit.pipeline.plan import make_plan
+    from ray_credit.pipeline.recipe import ResourcesConfig, _warn_if_short
+    from tests.unit.test_pipeline_scripts import TSPORun
 
     res = ResourcesConfig(
         num_generators=2,
@@ -55,12 +137,13 @@ def test_custom_resources_and_shortfall_warning(capsys):
     )
     assert res.custom("generator") == {"generator": 1.0}
     assert ResourcesConfig().custom("learner") == {}
-    cfg = RunConfig(resources=res)
+    cfg = TSPORun(resources=res)
+    plan = make_plan(cfg, "tspo", [{"question": "q?", "golden_answers": ["a"]}])
     # 2 generators + the evaluation generator, 2 learner replicas, the retriever
     enough = {"CPU": 12.25, "GPU": 5.0, "generator": 3.0, "learner": 2.0, "service": 1.0}
-    _warn_if_short(_FakeRay(enough), cfg)
+    _warn_if_short(_FakeRay(enough), cfg, plan)
     assert capsys.readouterr().out == ""
-    _warn_if_short(_FakeRay({**enough, "GPU": 4.0, "service": 0.0}), cfg)
+    _warn_if_short(_FakeRay({**enough, "GPU": 4.0, "service": 0.0}), cfg, plan)
     out = capsys.readouterr().out
     assert "5 GPU (cluster has 4)" in out and "1 service (cluster has 0)" in out
     assert "CPU" not in out.split(";")[0]

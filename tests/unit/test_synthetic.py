@@ -86,6 +86,7 @@ def test_questions_are_grounded_in_their_documents(world):
             "data_source",
             "supporting_doc_ids",
             "hops",
+            "reference_plan",
         }
         assert check_gold_answers(q["golden_answers"]) == q["golden_answers"]
         assert q["data_source"] == f"synthetic_{q['hops']}hop"
