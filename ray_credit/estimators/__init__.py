@@ -10,11 +10,9 @@ This package imports only numpy and pyarrow (no torch, no Ray).
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
-from typing import Any
 
+from ray_credit._registry import discover
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.estimators._base import Estimator, advantage_metrics
 
@@ -66,13 +64,4 @@ def resolve_estimator(spec: EstimatorLike) -> Callable[..., TrajectoryBatch]:
     raise TypeError(f"an estimator is a name or a callable, got {type(spec).__name__}")
 
 
-def _discover() -> None:
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module: Any = importlib.import_module(f"{__name__}.{info.name}")
-        for estimator in getattr(module, "ESTIMATORS", ()):
-            register_estimator(estimator)
-
-
-_discover()
+discover(__name__, __path__, "ESTIMATORS", register_estimator)

@@ -1,5 +1,5 @@
 """Weight sync by collective broadcast: the learner's rank 0 and every generator in one
-process group of their own (NCCL between GPUs, gloo on CPUs), outside Ray Train's.
+process group of their own (NCCL between GPUs, gloo on CPUs), apart from the learner's.
 
 Setup (:func:`open_weight_group`): the learner opens a ``TCPStore`` on a free port of its
 node and returns ``host:port``; then the learner and each generator join at once (joining

@@ -16,10 +16,7 @@ This package imports only numpy and pyarrow.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from typing import Any
-
+from ray_credit._registry import discover
 from ray_credit.batch import register_columns
 from ray_credit.signals._base import JudgedSignal, Request, Signal
 from ray_credit.signals._reply import Choice, Count, Strings
@@ -65,13 +62,4 @@ def get_signal(name: str) -> Signal:
         ) from None
 
 
-def _discover() -> None:
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module: Any = importlib.import_module(f"{__name__}.{info.name}")
-        for signal in getattr(module, "SIGNALS", ()):
-            register_signal(signal)
-
-
-_discover()
+discover(__name__, __path__, "SIGNALS", register_signal)
