@@ -84,9 +84,7 @@ def test_replace_path():
 def test_pipeline_configs_parse_with_every_field_documented():
     """Every leaf of the pipelines' config tree has a docstring (it is the --help text)."""
     from ray_credit.config import _leaves
-    from ray_credit.pipeline.recipe import RunConfig
-
-    from ray_credit.pipeline.recipe import JudgeConfig
+    from ray_credit.pipeline.recipe import JudgeConfig, RunConfig
     from ray_credit.signals.cw_grpo_judgement import CWGRPOJudgement
     from ray_credit.signals.info_gain import InfoGain
 
