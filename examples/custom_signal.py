@@ -34,6 +34,7 @@ from ray_credit import (
 )
 from ray_credit.actors.judge import JudgePool
 from ray_credit.batch import ColumnSpec
+from ray_credit.pipeline.recipe import JudgeConfig, RunConfig, load_config, train
 from ray_credit.qa import contains_gold
 from ray_credit.signals import Choice, Request
 from ray_credit.signals._base import parse_json_object, render_trace
@@ -127,16 +128,19 @@ ESTIMATOR = register_estimator(
 )
 
 
+@dataclass(frozen=True)
+class GroundedRun(RunConfig):
+    """A run of grounded_grpo: a judge section, and the estimator's section by its name."""
+
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """Who judges answer_grounded (the evidence rule by default)."""
+    grounded_grpo: GroundedGRPOConfig = field(default_factory=GroundedGRPOConfig)
+    """The estimator's knobs."""
+
+
 def train_with_it(steps: int, judge: str) -> None:
     """A training run of the estimator: the plan sees its declared signal and puts a judge
     stage before it (the evidence rule, or a local model on a judge actor)."""
-    from ray_credit.pipeline.recipe import JudgeConfig, RunConfig, load_config, train
-
-    @dataclass(frozen=True)
-    class GroundedRun(RunConfig):
-        judge: JudgeConfig = field(default_factory=JudgeConfig)
-        grounded_grpo: GroundedGRPOConfig = field(default_factory=GroundedGRPOConfig)
-
     argv = [
         "--name", "grounded-grpo", "--model", "tiny-random", "--wandb", "disabled",
         "--output_dir", tempfile.mkdtemp(prefix="custom_signal_"),

@@ -96,9 +96,9 @@ def test_full_rollout_with_signals_feeds_every_estimator(ray_cluster, world, ret
 
     scorer = make_scorer_actor("smollm2-135m", num_cpus=0.5)
     batch = ray_cluster.get(scorer.score.remote(batch), timeout=600)
-    judges = JudgePool(backend="evidence", num_actors=2)
-    batch = judges.annotate_cw_grpo(batch)
-    batch = judges.annotate_search_p1(batch)
+    judges = JudgePool(backend="evidence")
+    for signal in ("cw_grpo_judgement", "search_p1_evaluation"):
+        batch = judges.judge(signal, batch)
     for name, estimator in ESTIMATORS.items():
         out = estimator(batch)
         advantages = out.turn_values("turn_advantages")

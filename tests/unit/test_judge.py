@@ -459,3 +459,23 @@ def test_hf_tiny_random_garbage_is_null_and_counted():
     assert out.metrics["judge/latency_s"] > 0
     assert pool.judge(PLAN, [{"question": "q?", "golden_answers": ["a"]}]) == [None]
     assert get_estimator("cw_grpo")(out).metrics["cw_grpo/null_judgement_trajs"] == 1
+
+
+def test_hf_guided_replies_parse_even_from_a_random_model():
+    """Guided (the hf default), a tiny random judge's replies are in form: every turn is
+    judged, every reference plan parses, every Search-P1 field is set."""
+    pool = JudgePool("hf", model="tiny-random", batch_size=3)
+    batch = batch_of(
+        traj(0, SEARCH3, reward=1, answer="Velmora Hall", obs=OBS, reference_plan=["a", "b"]),
+        traj(1, ["answer"], reward=1, answer="x", reference_plan=["a"]),
+    )
+    out = pool.judge(CW, batch)
+    assert all(v in (0, 1) for row in judged(out, "judge_utility") for v in row)
+    assert out.metrics.get("judge/unparseable", 0) == 0 and out.metrics["judge/requests"] == 5
+    (plan,) = pool.judge(PLAN, [{"question": "q?", "golden_answers": ["a"]}])
+    assert plan["reference_plan"] and all(s.strip() for s in plan["reference_plan"])
+    sp1 = pool.judge(SP1, batch)
+    assert None not in judged(sp1, "sp1_planner_score")
+    for row in sp1.to_records():
+        assert row["sp1_effective_steps_ref"] <= row["sp1_ref_plan_steps"]
+        assert row["sp1_effective_steps_self"] <= row["sp1_plan_steps"]
