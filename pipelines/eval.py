@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ray_credit.actors.generator import GeneratorConfig
+from ray_credit.estimators import ESTIMATORS  # noqa: E402
 from ray_credit.pipeline.recipe import (
     DataConfig,
     ResourcesConfig,
@@ -32,8 +33,14 @@ from ray_credit.pipeline.recipe import (
     make_retriever,
     submit_evaluation,
 )
+from ray_credit.signals import SIGNALS  # noqa: E402
 
-TRAINING_SECTIONS = ("name", "output_dir", "resume", "wandb", "learner", "pipeline", "eval")
+# What a training run's YAML file may hold that evaluation does not use.
+TRAINING_SECTIONS = (
+    *("name", "output_dir", "resume", "wandb", "learner", "pipeline", "eval", "judge"),
+    *ESTIMATORS,
+    *SIGNALS,
+)
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ import dataclasses
 import inspect
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["config_to_dict", "field_docs", "parse_config", "replace_path"]
+__all__ = ["check_config", "config_to_dict", "field_docs", "parse_config", "replace_path"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -138,24 +138,44 @@ def _convert(value: Any, kind: Any, name: str) -> Any:
 
 def replace_path(config: Any, dotted: str, value: Any) -> Any:
     """A copy of a config tree with one leaf (``"learner.lr"``) replaced, type-checked."""
-    head, _, rest = dotted.partition(".")
+    return apply_overrides(config, {dotted: value})
+
+
+def apply_overrides(config: Any, overrides: Mapping[str, Any]) -> Any:
+    """A copy of a config tree with every ``{"section.field": value}`` applied and
+    type-checked. Each section is rebuilt once with all its new values, so a rule between
+    two fields of a section (``__post_init__``) sees them together, whatever the order."""
+    tree: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        node = tree
+        *sections, leaf = dotted.split(".")
+        for part in sections:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return _apply_tree(config, tree, "")
+
+
+def _apply_tree(config: Any, tree: Mapping[str, Any], prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(config)}
-    if head not in names:
-        raise ValueError(
-            f"unknown config key {dotted!r} in {type(config).__name__}; valid: {sorted(names)}"
-        )
-    current = getattr(config, head)
-    if rest:
-        if not dataclasses.is_dataclass(current):
-            raise ValueError(f"{head} is a value, not a section: {dotted!r} goes too deep")
-        return dataclasses.replace(config, **{head: replace_path(current, rest, value)})
-    if dataclasses.is_dataclass(current) and isinstance(value, dict):
-        for key, sub in value.items():
-            current = replace_path(current, key, sub)
-        return dataclasses.replace(config, **{head: current})
-    return dataclasses.replace(
-        config, **{head: _convert(value, _hints(type(config))[head], dotted)}
-    )
+    changes = {}
+    for key, value in tree.items():
+        dotted = prefix + key
+        if key not in names:
+            raise ValueError(
+                f"unknown config key {dotted!r} in {type(config).__name__}; valid: {sorted(names)}"
+            )
+        current = getattr(config, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{dotted} is a section: give it fields ({dotted}.<field>)")
+            changes[key] = _apply_tree(current, value, dotted + ".")
+        elif isinstance(value, Mapping):
+            raise ValueError(
+                f"{dotted} is a value, not a section: {dotted}.{next(iter(value))} goes too deep"
+            )
+        else:
+            changes[key] = _convert(value, _hints(type(config))[key], dotted)
+    return dataclasses.replace(config, **changes)
 
 
 def _flatten(mapping: dict, prefix: str = ""):
@@ -208,25 +228,25 @@ def parse_config(
         )
     args = vars(parser.parse_args(argv))
     args.pop("config", None)
-    config = base
-    for key, value in args.items():
-        try:
-            config = replace_path(config, key, value)
-        except (TypeError, ValueError) as err:
-            parser.error(f"--{key}: {err}")
+    overrides = {**(_read_yaml(file, first, skip_sections) if file is not None else {}), **args}
+    try:  # the file's settings and the flags together: rules between fields see both
+        config = apply_overrides(defaults if defaults is not None else cls(), overrides)
+    except (TypeError, ValueError) as err:
+        flag = next((f"--{k}: " for k in args if k in str(err)), "")
+        parser.error(f"{flag}{err}")
     try:  # checks across fields and sections, once everything is applied
-        _check_tree(config)
+        check_config(config)
     except ValueError as err:
         parser.error(str(err))
     return config
 
 
-def _check_tree(config: Any) -> None:
+def check_config(config: Any) -> None:
     """Call ``check()`` on every section that has one, innermost first."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
-            _check_tree(value)
+            check_config(value)
     check = getattr(config, "check", None)
     if callable(check):
         check()
@@ -235,6 +255,16 @@ def _check_tree(config: Any) -> None:
 def _apply_yaml(
     config: Any, file: Path, parser: argparse.ArgumentParser, skip: Sequence[str]
 ) -> Any:
+    """``config`` with the YAML file's settings (for ``--help`` to show)."""
+    try:
+        return apply_overrides(config, _read_yaml(file, parser, skip))
+    except (TypeError, ValueError) as err:
+        parser.error(f"--config {file}: {err}")
+
+
+def _read_yaml(file: Path, parser: argparse.ArgumentParser, skip: Sequence[str]) -> dict:
+    """The YAML file's settings as ``{"section.field": value}`` (``skip``: top-level keys
+    that belong to other scripts)."""
     import yaml
 
     if not file.is_file():
@@ -245,14 +275,7 @@ def _apply_yaml(
         parser.error(f"--config {file}: not a readable YAML file: {err}")
     if not isinstance(data, dict):
         parser.error(f"--config {file}: the top level must be a mapping of config keys")
-    for key, value in _flatten(data):
-        if key.split(".")[0] in skip:
-            continue
-        try:
-            config = replace_path(config, key, value)
-        except (TypeError, ValueError) as err:
-            parser.error(f"--config {file}: {err}")
-    return config
+    return {key: value for key, value in _flatten(data) if key.split(".")[0] not in skip}
 
 
 def _metavar(kind: Any) -> str:

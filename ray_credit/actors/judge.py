@@ -13,9 +13,12 @@ schedules the work:
   ``complete(prompts, counts)`` is accepted too. ``guided`` constrains replies to the
   signal's reply schema (``hf``: guided decoding, on by default, so even a small judge
   answers in form; ``openai``: a ``json_schema`` response format, off by default).
-* **Chunks and concurrency.** Requests go out in chunks of ``batch_size``; at most
-  ``max_concurrency`` chunks are in flight across the pool (``num_actors`` Ray actors,
-  least loaded first; or a thread pool in this process when ``num_actors=0``).
+* **Chunks and concurrency.** Requests go out in chunks of ``batch_size``; each call of
+  :meth:`JudgePool.judge` keeps at most ``max_concurrency`` chunks in flight, on the least
+  loaded of the ``num_actors`` Ray actors (a random one among equals, so that the stage
+  tasks of concurrent chunks spread over the pool; each actor runs at most
+  ``ceil(max_concurrency / num_actors)`` calls at once), or on a thread pool in this
+  process when ``num_actors=0``.
 * **Timeouts and retries.** Each backend call has ``timeout_s`` (per HTTP request or per
   generate) and the ``openai`` backend retries ``max_retries`` times itself. A judge
   actor that dies is restarted by Ray (``max_restarts``) and its chunk is sent again, up
@@ -297,20 +300,28 @@ class JudgePool:
         return replies
 
     def _map_actors(self, chunks: list[list[Request]], counts: dict[str, float]) -> list:
-        """Every chunk on the least loaded actor, at most ``max_concurrency`` in flight; a
-        chunk whose actor died goes again (up to ``max_retries``), one that outlives its
-        deadline is cancelled; either way what cannot be had is null and counted."""
+        """Every chunk on the actor with the fewest failures in this call, least loaded
+        among those (a random one among equals, so that concurrent callers spread over the
+        pool), at most
+        ``max_concurrency`` in flight; a chunk whose actor died goes again, preferably
+        elsewhere (up to ``max_retries``), one that outlives its deadline is cancelled;
+        either way what cannot be had is null and counted."""
         import ray
 
         results: list[Any] = [None] * len(chunks)
         queue = deque((i, 0) for i in range(len(chunks)))
         pending: dict[Any, tuple[int, int, int, float]] = {}  # ref: chunk, try, actor, deadline
-        load = [0] * len(self._actors)
+        load = np.zeros(len(self._actors))
+        failures = np.zeros(len(self._actors))
+        rng = np.random.default_rng()
         peak = 0
         while queue or pending:
             while queue and len(pending) < self.max_concurrency:
                 i, attempt = queue.popleft()
-                a = int(np.argmin(load))
+                # fewest failures first (a dead actor fails at once, and would look idle),
+                # then least loaded, then a random one among equals
+                key = failures * 1e6 + load + rng.random(len(load)) * 0.5
+                a = int(np.argmin(key))
                 prompts = [r.prompt for r in chunks[i]]
                 ref = self._actors[a].complete.remote(prompts, [r.schema for r in chunks[i]])
                 pending[ref] = (i, attempt, a, time.monotonic() + self._call_deadline(len(prompts)))
@@ -331,6 +342,7 @@ class JudgePool:
                     results[i] = ray.get(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                     add(counts, "judge/actor_failures")
+                    failures[a] += 1
                     if attempt < self.max_retries:
                         add(counts, "judge/retries")
                         time.sleep(min(0.5 * 2**attempt, 10.0))  # let Ray restart it

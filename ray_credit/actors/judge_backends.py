@@ -202,9 +202,12 @@ class OpenAIBackend:
             if status >= 400:
                 break
             try:
-                return response.json()["choices"][0]["message"]["content"]
+                content = response.json()["choices"][0]["message"]["content"]
             except (ValueError, KeyError, IndexError, TypeError):
                 break  # not an OpenAI-shaped reply: the server failed, not the judge
+            if isinstance(content, str):
+                return content
+            break  # no content (a refusal, or out of tokens before any): failed
         add(counts, cause)
         return None
 

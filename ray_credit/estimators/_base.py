@@ -26,8 +26,9 @@ class Estimator:
     is a frozen dataclass whose defaults are the paper's; ``requires`` lists the columns
     ``fn`` reads. Calling the estimator checks ``requires``, builds the config from
     ``params`` (or takes ``config=``) and runs ``fn``. Summary statistics of the
-    advantages (:func:`advantage_metrics`) are the metrics stage's job, computed once per
-    batch by whoever consumes it, not on every estimator call.
+    advantages (:func:`advantage_metrics`) are for whoever consumes the batch (the
+    pipeline reports its share of zero-advantage groups itself), not computed on every
+    estimator call.
 
     The rest is the method's recipe, which a pipeline is built from:
 

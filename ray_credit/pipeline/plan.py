@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_credit.batch import ROLLOUT_COLUMNS
-from ray_credit.config import replace_path
+from ray_credit.config import apply_overrides
 from ray_credit.estimators import Estimator, get_estimator
 from ray_credit.signals import JudgedSignal, Signal, get_signal
 
@@ -42,10 +42,7 @@ def recipe_defaults(config: Any, estimator: str | Estimator) -> Any:
     """``config`` with the estimator's declared learner settings and signal settings put
     in (the paper's recipe, as the defaults the YAML file and the flags start from)."""
     est = get_estimator(estimator) if isinstance(estimator, str) else estimator
-    learner = config.learner
-    for key, value in est.learner.items():
-        learner = replace_path(learner, key, value)
-    config = dataclasses.replace(config, learner=learner)
+    config = dataclasses.replace(config, learner=apply_overrides(config.learner, est.learner))
     for name, settings in est.signals.items():
         if _has_settings(get_signal(name)):
             section = _signal_section(config, name)
@@ -72,8 +69,11 @@ class Plan:
         """What computes the signals: ``"judge"`` and/or ``"scorer"``."""
         return {s.service for s in (*self.signals, *self.question_signals)}
 
-    def stages(self, *, judges: Any = None, scorer: Any = None, timeout_s: float) -> list:
-        """The per-chunk stages: each signal from its service, then the estimator."""
+    def stages(
+        self, *, judges: Any = None, scorer: Any = None, timeout_s: float
+    ) -> tuple[list, list]:
+        """(per-chunk stages, per-step stages): each signal from its service, then the
+        estimator, per chunk when it is group-local, else once per step."""
         from ray_credit.pipeline.runner import actor_stage, estimator_stage
 
         stages = []
@@ -82,8 +82,10 @@ class Plan:
                 stages.append(judges.stage(signal))
             else:
                 stages.append(actor_stage(scorer.score, name=signal.name, timeout_s=timeout_s))
-        config = dataclasses.asdict(self.estimator_config)
-        return [*stages, estimator_stage(self.estimator, **config)]
+        estimator = estimator_stage(self.estimator, **dataclasses.asdict(self.estimator_config))
+        if self.estimator.group_local:
+            return [*stages, estimator], []
+        return stages, [estimator]
 
 
 def make_plan(
@@ -119,9 +121,15 @@ def make_plan(
                 f"{config.pipeline.weight_sync!r} broadcasts to generators only: use "
                 "--pipeline.weight_sync object_store"
             )
+    estimator_config = getattr(config, est.name, None)
+    if not isinstance(estimator_config, est.config_cls):
+        raise ValueError(
+            f"{type(config).__name__} needs a section '{est.name}: {est.config_cls.__name__}' "
+            f"for the estimator's settings (the section is named after the estimator)"
+        )
     return Plan(
         estimator=est,
-        estimator_config=getattr(config, est.name),
+        estimator_config=estimator_config,
         signals=signals,
         question_signals=tuple(question_signals),
         departures=tuple(_departures(config, est)),

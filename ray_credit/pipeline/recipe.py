@@ -119,7 +119,8 @@ class JudgeConfig:
     batch_size: int = 16
     """Judgements per backend call."""
     max_concurrency: int = 8
-    """Backend calls in flight across the pool."""
+    """Backend calls in flight per chunk's stage task (each judge actor runs at most
+    ceil(max_concurrency / num_actors) at once)."""
     timeout_s: float = 60.0
     """Per backend call: one HTTP request (openai), one generate (hf)."""
     max_retries: int = 3
@@ -441,11 +442,13 @@ def make_learner(cfg: Any):
 
 def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: Path) -> list[dict]:
     """The questions with Search-P1's reference plans: the question file's, else the
-    cached ones (``cache``, JSON lines), else made now by the judge pool and cached."""
+    cached ones (``cache``, JSON lines), else made now by the judge pool and cached. A plan
+    the judge failed to make is not cached (the next run asks again); its question's
+    trajectories go unjudged, counted in ``judge/no_evidence``."""
     if not plan.question_signals:
         return questions
     (signal,) = plan.question_signals
-    known = {}
+    known: dict[str, list[str]] = {}
     if cache.is_file():
         for line in cache.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
@@ -456,30 +459,37 @@ def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: 
         made = judges.judge(signal, todo)
         with cache.open("a", encoding="utf-8") as out:
             for q, value in zip(todo, made, strict=True):
-                plan_steps = None if value is None else value["reference_plan"]
-                known[q["question"]] = plan_steps
-                out.write(
-                    json.dumps({"question": q["question"], "reference_plan": plan_steps}) + "\n"
-                )
-        failed = sum(v is None for v in made)
+                if value is not None:
+                    known[q["question"]] = value["reference_plan"]
+                    row = {"question": q["question"], "reference_plan": value["reference_plan"]}
+                    out.write(json.dumps(row) + "\n")
         print(
-            f"reference plans: {len(todo) - failed} made, {failed} failed (their trajectories "
-            f"go unjudged, counted in judge/no_evidence), {time.perf_counter() - t0:.0f}s; "
-            f"kept in {cache}",
+            f"reference plans: {sum(v is not None for v in made)} made of {len(todo)} "
+            f"({time.perf_counter() - t0:.0f}s), kept in {cache}",
             flush=True,
         )
-    return [
-        q if q.get("reference_plan") else {**q, "reference_plan": known[q["question"]]}
+    out_q = [
+        q if q.get("reference_plan") else {**q, "reference_plan": known.get(q["question"])}
         for q in questions
     ]
+    missing = sum(not q["reference_plan"] for q in out_q)
+    if missing:
+        print(
+            f"warning: {missing} of {len(out_q)} training questions have no reference plan "
+            "(the judge failed to make one); their trajectories go unjudged, counted in "
+            "judge/no_evidence",
+            flush=True,
+        )
+    return out_q
 
 
 # ----------------------------------------------------------------------------- the run
 def train(cfg: Any, estimator: str) -> dict:
     """Run one training job of ``estimator`` with ``cfg``; returns the summary it writes."""
+    from ray_credit.config import check_config
     from ray_credit.pipeline.outputs import Logger, plot
 
-    cfg.check()
+    check_config(cfg)  # every section's check(), as parse_config does
     t_start = time.perf_counter()
     out = Path(cfg.output_dir).resolve() / cfg.name
     out.mkdir(parents=True, exist_ok=True)
@@ -517,12 +527,14 @@ def train(cfg: Any, estimator: str) -> dict:
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
         pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(out / "checkpoint"))
+    stages, step_stages = plan.stages(judges=judges, scorer=scorer, timeout_s=pipe_cfg.timeout_s)
     pipeline = Pipeline(
         generators,
         learner,
         train_q,
-        plan.stages(judges=judges, scorer=scorer, timeout_s=pipe_cfg.timeout_s),
+        stages,
         pipe_cfg,
+        step_stages=step_stages,
         weight_targets=[scorer] if scorer is not None else [],
         resume_from=cfg.resume,
         on_step=lambda m: logger.step(m, pipe_cfg.steps),

@@ -125,14 +125,17 @@ def step_metrics(
     *,
     version: int,
     max_staleness: int = 0,
+    outcome_from: Mapping[str, Any] | None = None,
 ) -> dict[str, float]:
     """The step's ``gen/*``, ``staleness/*``, stage, ``time/stage_*`` and ``train/*``
     metrics from its chunks' summaries and reports (``version``: the learner's, at
-    training; ``staleness/k`` is reported for every ``k`` up to ``max_staleness``)."""
+    training; ``staleness/k`` is reported for every ``k`` up to ``max_staleness``).
+    ``outcome_from``: the report of the step stages, which saw the whole step after the
+    chunks' stages: the outcome metrics come from it alone."""
     out = _generation(summaries)
     out.update(_staleness(summaries, version, max_staleness))
     out.update(_stages(reports))
-    out.update(_outcome(reports))
+    out.update(_outcome(reports if outcome_from is None else [outcome_from]))
     return out
 
 

@@ -177,6 +177,7 @@ def _run_stages(stages: Sequence[Callable], batches: Sequence[Any]) -> tuple[Any
     """The stage task: fetch the chunk(s), run every stage, report (see the module)."""
     import ray
 
+    started_at = time.time()  # wall clock: compared with the driver's training intervals
     fetched = ray.get(list(batches))
     batch = fetched[0] if len(fetched) == 1 else TrajectoryBatch.concat(fetched)
     seconds: dict[str, float] = {}
@@ -190,7 +191,7 @@ def _run_stages(stages: Sequence[Callable], batches: Sequence[Any]) -> tuple[Any
         if not isinstance(batch, TrajectoryBatch):
             raise StageError(f"stage {name!r} returned {type(batch).__name__}, not a batch")
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
-    return batch, chunk_report(batch, seconds)
+    return batch, {**chunk_report(batch, seconds), "interval": (started_at, time.time())}
 
 
 def _write_chunk(path: str, batches: Sequence[Any]) -> int:
@@ -213,15 +214,14 @@ class _Chunk:
     size: int
     generator: int = -1
     epoch: int = 0  # of the generator when submitted (restarts it lived through)
+    min_version: int = 0  # the weights published before it was submitted
     batch: Any = None  # ref to the generated batch (kept until trained: checkpoints)
     summary_ref: Any = None
     summary: dict | None = None
     staged: Any = None  # ref to the staged batch
     report_ref: Any = None
     report: dict | None = None
-    generated_at: float = 0.0
-    stage_started: float = 0.0
-    stage_seconds: float = 0.0  # stage task submitted -> its report seen by the driver
+    generated_at: float = 0.0  # when the driver saw its summary (perf_counter)
 
     @property
     def groups(self) -> str:
@@ -239,7 +239,7 @@ class _Training:
     waited_stages: float
     step_report: dict | None = None
     step_refs: list = field(default_factory=list)
-    step_seconds: float = 0.0  # the step stages' task, submitted -> report seen
+    interval: tuple[float, float] = (0.0, 0.0)  # of the learner call (wall clock)
 
 
 class Pipeline:
@@ -328,11 +328,14 @@ class Pipeline:
         self._redo: list[_Chunk] = []  # lost with their generator, to dispatch first
         self._lost: set[int] = set()
         self._training: _Training | None = None
+        self._trained_intervals: list[tuple[float, float]] = []  # recent learner calls
         self._orders: dict[int, np.ndarray] = {}
         self.failures = {
             "pipeline/generator_failures": 0.0,
             "pipeline/generators_lost": 0.0,
             "pipeline/chunks_redone": 0.0,
+            "pipeline/stale_chunks_redone": 0.0,
+            "pipeline/chunks_lost": 0.0,
         }
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[int] = []  # stream indices trained, in order (for checks)
@@ -363,9 +366,11 @@ class Pipeline:
         return self.history
 
     def _admissible_end(self) -> int:
-        """Stream index below which groups may be dispatched now."""
+        """Stream index below which groups may be dispatched now: ``max_staleness`` steps
+        ahead of the one training, never past the run's last step."""
         cfg = self.config
-        return (cfg.max_staleness + self.version + 1) * cfg.groups_per_step
+        ahead = min(cfg.max_staleness + self.step + 1, cfg.steps)
+        return ahead * cfg.groups_per_step
 
     def _free_generator(self) -> int | None:
         """The live generator with the fewest chunks in flight, if one has room."""
@@ -375,7 +380,7 @@ class Pipeline:
 
     def _submit(self, chunk: _Chunk, g: int) -> None:
         questions = [self.question_at(i) for i in range(chunk.start, chunk.start + chunk.size)]
-        chunk.generator, chunk.epoch = g, self._epoch[g]
+        chunk.generator, chunk.epoch, chunk.min_version = g, self._epoch[g], self.version
         self._queued[g] += 1
         call = self.generators[g].generate_chunk.options(num_returns=2)
         chunk.batch, chunk.summary_ref = call.remote(questions)
@@ -383,7 +388,6 @@ class Pipeline:
     def _dispatch(self) -> None:
         while self._redo and (g := self._free_generator()) is not None:
             self._submit(self._redo.pop(0), g)  # admitted already: versions only move forward
-            self.failures["pipeline/chunks_redone"] += 1
         limit = self._admissible_end()
         while (g := self._free_generator()) is not None:
             while self._next in self._chunks:  # restored from a checkpoint: already generated
@@ -391,7 +395,9 @@ class Pipeline:
             if self._next >= limit:
                 return
             step_end = (self._next // self.config.groups_per_step + 1) * self.config.groups_per_step
-            size = min(self.chunk, limit - self._next, step_end - self._next)  # never straddles
+            restored = min((s for s in self._chunks if s > self._next), default=step_end)
+            # never straddles a step, nor runs into a chunk restored from a checkpoint
+            size = min(self.chunk, limit - self._next, step_end - self._next, restored - self._next)
             chunk = _Chunk(self._next, size)
             self._submit(chunk, g)
             self._chunks[chunk.start] = chunk
@@ -412,6 +418,11 @@ class Pipeline:
             c.report is None for c in chunks
         ):
             return
+        if sum(c.size for c in chunks) > self.config.groups_per_step:
+            raise RuntimeError(
+                f"step {self.step}'s chunks {[c.groups for c in chunks]} overlap: a bug in "
+                "dispatch; nothing was trained twice"
+            )
         now = time.perf_counter()
         if self._training is None:  # every chunk staged: the learner waited until now
             generated = max(c.generated_at for c in chunks)
@@ -429,6 +440,7 @@ class Pipeline:
         refs = [training.step_refs[0]] if training.step_refs else [c.staged for c in chunks]
         training.waited_stages = now - self._free_since - training.waited_generation
         training.started = now
+        training.interval = (time.time(), 0.0)
         training.call = self.learner.submit_train(refs)
 
     def _check_staleness(self, chunks: list[_Chunk]) -> None:
@@ -487,7 +499,6 @@ class Pipeline:
             return
         if training.step_refs and training.step_report is None and training.step_refs[1] in done:
             training.step_report = self._report(training.step_refs[1], f"step {self.step}")
-            training.step_seconds = time.perf_counter() - training.started
         if training.call is not None and done & set(training.call.refs):
             self._on_trained(training)  # waits for every rank; raises early on a failed one
 
@@ -499,22 +510,42 @@ class Pipeline:
         try:
             chunk.summary = ray.get(chunk.summary_ref)
         except ray.exceptions.RayActorError:
-            chunk.generator, chunk.batch, chunk.summary_ref = -1, None, None
-            self._redo.append(chunk)
+            self._redo_chunk(chunk, "pipeline/chunks_redone")
             if chunk.epoch == self._epoch[g] and g not in self._lost:  # news of this death
+                self._epoch[g] += 1
+                self._recover(g)
+            return
+        if min(chunk.summary["oldest_versions"]) < chunk.min_version:
+            # Ray restarted the generator after it was sent the weights, before the driver
+            # heard of the death: the chunk ran on base weights. Redo it on current ones.
+            self._redo_chunk(chunk, "pipeline/stale_chunks_redone")
+            if chunk.epoch == self._epoch[g] and g not in self._lost:
                 self._epoch[g] += 1
                 self._recover(g)
             return
         chunk.generated_at = time.perf_counter()
         self._start_stages(chunk)
 
+    def _redo_chunk(self, chunk: _Chunk, counter: str) -> None:
+        self.failures[counter] += 1
+        chunk.generator, chunk.batch, chunk.summary_ref, chunk.summary = -1, None, None, None
+        chunk.staged = chunk.report_ref = chunk.report = None
+        self._redo.append(chunk)
+
     def _start_stages(self, chunk: _Chunk) -> None:
-        chunk.stage_started = time.perf_counter()
         chunk.staged, chunk.report_ref = self._stage_task.remote(self._stages, [chunk.batch])
 
     def _on_staged(self, chunk: _Chunk) -> None:
-        chunk.report = self._report(chunk.report_ref, f"groups {chunk.groups}")
-        chunk.stage_seconds = time.perf_counter() - chunk.stage_started
+        import ray
+
+        try:
+            chunk.report = ray.get(chunk.report_ref)
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, ray.exceptions.ObjectLostError):
+                # the batch went with its node (the generator's): generate it again
+                self._redo_chunk(chunk, "pipeline/chunks_lost")
+                return
+            raise self._stage_error(err, f"groups {chunk.groups}") from err
 
     def _report(self, ref: Any, what: str) -> dict:
         import ray
@@ -522,46 +553,35 @@ class Pipeline:
         try:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as err:
-            cause = err.cause if isinstance(err.cause, StageError) else err
-            raise StageError(f"the stages of {what} failed: {cause}") from err
+            raise self._stage_error(err, what) from err
+
+    @staticmethod
+    def _stage_error(err: Exception, what: str) -> StageError:
+        cause = getattr(err, "cause", None)
+        return StageError(
+            f"the stages of {what} failed: {cause if isinstance(cause, StageError) else err}"
+        )
 
     def _on_trained(self, training: _Training) -> None:
         metrics = training.call.result(timeout=self.config.timeout_s)
         now = time.perf_counter()
-        chunks = training.chunks
-        reports = [c.report for c in chunks] + (
-            [training.step_report] if training.step_report is not None else []
-        )
-        out = step_metrics(
-            [c.summary for c in chunks],
-            reports,
-            version=self.version,
-            max_staleness=self.config.max_staleness,
-        )
+        training.interval = (training.interval[0], time.time())
+        out = self._step_metrics(training)
         out.update(metrics)
         train_s = now - training.started
-        stages_s = sum(c.stage_seconds for c in chunks) + training.step_seconds
-        out.update(
-            {
-                "time/train_s": train_s,
-                "time/wait_generation_s": training.waited_generation,
-                "time/wait_stages_s": training.waited_stages,
-                "time/stages_s": stages_s,
-                "time/stages_hidden_s": stages_s - training.waited_stages,
-                "speed/train_tokens_per_s": out["train/tokens"] / max(train_s, 1e-9),
-            }
-        )
-        for key in [k for k in out if k.startswith("time/stage_")]:
-            name = key.removeprefix("time/stage_").removesuffix("_s")
-            out[f"speed/stage_{name}_tokens_per_s"] = out["train/tokens"] / max(out[key], 1e-9)
+        out["time/train_s"] = train_s
+        out["speed/train_tokens_per_s"] = out["train/tokens"] / max(train_s, 1e-9)
         first = self.step * self.config.groups_per_step
-        for chunk in chunks:
+        for chunk in training.chunks:
             del self._chunks[chunk.start]
         self.trained_groups.extend(range(first, first + self.config.groups_per_step))
         self.version += 1
         self.step += 1
         self._training = None
-        self._free_since = now
+        self._trained_intervals = [
+            *self._trained_intervals[-(self.config.max_staleness + 2) :],
+            training.interval,
+        ]
         t0 = time.perf_counter()
         self._wait_publication()
         self._publish()
@@ -588,6 +608,36 @@ class Pipeline:
             or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
         ):
             self.save(cfg.checkpoint_dir)
+        self._free_since = time.perf_counter()  # the learner's next wait starts now
+
+    def _step_metrics(self, training: _Training) -> dict[str, float]:
+        """The step's combined metrics and where the learner's time went (module docstring)."""
+        chunks = training.chunks
+        reports = [c.report for c in chunks]
+        if training.step_report is not None:
+            reports.append(training.step_report)
+        out = step_metrics(
+            [c.summary for c in chunks],
+            reports,
+            version=self.version,
+            max_staleness=self.config.max_staleness,
+            outcome_from=training.step_report,
+        )
+        intervals = [r["interval"] for r in reports]
+        out.update(
+            {
+                "time/wait_generation_s": training.waited_generation,
+                "time/wait_stages_s": training.waited_stages,
+                "time/stages_s": sum(end - start for start, end in intervals),
+                "time/stages_hidden_s": sum(
+                    _overlap(interval, self._trained_intervals) for interval in intervals
+                ),
+            }
+        )
+        for key in [k for k in out if k.startswith("time/stage_")]:
+            name = key.removeprefix("time/stage_").removesuffix("_s")
+            out[f"speed/stage_{name}_tokens_per_s"] = out["train/tokens"] / max(out[key], 1e-9)
+        return out
 
     # ----------------------------------------------------------------- failures
     def _recover(self, g: int) -> None:
@@ -666,7 +716,6 @@ class Pipeline:
         if tmp.exists():
             _rmtree(tmp)
         (tmp / _BUFFER_DIR).mkdir(parents=True)
-        self._wait_publication()
         self.learner.save(str(tmp / "learner"))
         done = [c for c in self._chunks.values() if c.summary is not None]
         here = _on_this_node()
@@ -691,9 +740,14 @@ class Pipeline:
             "config": asdict(self.config),
         }
         (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
+        old = folder.with_name(folder.name + ".old")  # until the new one is in place
+        if old.exists():
+            _rmtree(old)
         if folder.exists():
-            _rmtree(folder)
+            folder.rename(old)
         tmp.rename(folder)
+        if old.exists():
+            _rmtree(old)
         return folder
 
     def _restore(self, folder: Path) -> None:
@@ -752,6 +806,11 @@ class Pipeline:
             chunk = _Chunk(start, size, batch=read.remote(str(stem.with_suffix(".arrow"))))
             chunk.summary = summary
             self._chunks[start] = chunk
+
+
+def _overlap(span: tuple[float, float], spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds of ``span`` inside any of ``spans`` (which do not overlap each other)."""
+    return sum(max(0.0, min(span[1], end) - max(span[0], start)) for start, end in spans)
 
 
 def _on_this_node() -> Any:

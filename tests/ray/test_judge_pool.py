@@ -120,3 +120,14 @@ def test_bounded_concurrency(ray_cluster):
     assert state["n"] == 12
     assert 2 <= state["peak"] <= 3
     assert out.metrics["judge/max_in_flight"] == 3
+
+
+def test_a_judge_actor_gone_for_good_is_worked_around(ray_cluster):
+    """One of two judge actors is killed for good: its chunks go to the other, every
+    judgement is made, and the failures are counted."""
+    batch = mixed_batch()
+    pool = JudgePool(LengthGrades(), num_actors=2, batch_size=2, num_cpus=0, max_retries=3)
+    ray_cluster.kill(pool._actors[0], no_restart=True)
+    out = pool.judge(CW, batch)
+    assert columns(out) == columns(JudgePool(LengthGrades()).judge(CW, batch))
+    assert "judge/failed" not in out.metrics and out.metrics["judge/actor_failures"] >= 1

@@ -247,9 +247,7 @@ def test_driver_holds_refs_only_and_stages_stream(
     for m in history:
         assert m["slow/calls"] == 4  # once per chunk, 4 chunks of 1 group per step
         assert m["time/stage_slow_s"] >= 4 * 0.3
-        assert m["time/stages_hidden_s"] == pytest.approx(
-            m["time/stages_s"] - m["time/wait_stages_s"]
-        )
+        assert 0 <= m["time/stages_hidden_s"] <= m["time/stages_s"]
     # after the first step, some of the stage time overlapped training
     assert sum(m["time/stages_hidden_s"] for m in history[1:]) > 0
     learner.shutdown()

@@ -71,7 +71,7 @@ def test_unknown_yaml_key_is_an_error(tmp_path, capsys):
     file.write_text("inner:\n  lrr: 0.1\n")
     with pytest.raises(SystemExit):
         parse_config(Outer, ["--config", str(file)])
-    assert "unknown config key 'lrr'" in capsys.readouterr().err
+    assert "unknown config key 'inner.lrr'" in capsys.readouterr().err
 
 
 def test_replace_path():
@@ -128,3 +128,20 @@ def test_default_config_file_and_skipped_sections(tmp_path):
         Outer, ["--config", str(mine)], default_config=file, skip_sections=("other_script",)
     )
     assert cfg.name == "run" and cfg.flag
+
+
+def test_rules_between_fields_see_every_setting_together(tmp_path):
+    """Flags and the file are applied to each section at once: a rule between two fields
+    holds for the final values, whatever order they come in."""
+    from ray_credit.pipeline.recipe import RunConfig
+
+    file = tmp_path / "c.yaml"
+    file.write_text("pipeline: {groups_per_step: 4}\n")
+    cfg = parse_config(
+        RunConfig,
+        ["--config", str(file), "--pipeline.chunk_groups", "8", "--pipeline.groups_per_step", "16",
+         "--learner.lr_schedule", "cosine", "--learner.total_steps", "100",
+         "--generator.max_new_tokens", "4096", "--generator.max_context_tokens", "8192"],
+    )  # fmt: skip
+    assert (cfg.pipeline.chunk_groups, cfg.pipeline.groups_per_step) == (8, 16)
+    assert cfg.learner.total_steps == 100 and cfg.generator.max_context_tokens == 8192

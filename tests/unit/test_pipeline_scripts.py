@@ -147,3 +147,19 @@ def test_custom_resources_and_shortfall_warning(capsys):
     out = capsys.readouterr().out
     assert "5 GPU (cluster has 4)" in out and "1 service (cluster has 0)" in out
     assert "CPU" not in out.split(";")[0]
+
+
+def test_an_estimator_across_groups_runs_once_per_step():
+    import dataclasses
+
+    from ray_credit.estimators import get_estimator
+    from ray_credit.pipeline.plan import make_plan
+
+    across = dataclasses.replace(get_estimator("tspo"), group_local=False)
+    plan = make_plan(TSPORun(), across, [{"question": "q?", "golden_answers": ["a"]}])
+    stages, step_stages = plan.stages(timeout_s=1.0)
+    assert stages == [] and [s.__name__ for s in step_stages] == ["estimator_tspo"]
+    local = make_plan(TSPORun(), "tspo", [{"question": "q?", "golden_answers": ["a"]}])
+    assert [s.__name__ for s in local.stages(timeout_s=1.0)[0]] == ["estimator_tspo"]
+    with pytest.raises(ValueError, match="needs a section 'grpo: GRPOConfig'"):
+        make_plan(TSPORun(), "grpo", [{"question": "q?", "golden_answers": ["a"]}])

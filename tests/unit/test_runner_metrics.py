@@ -171,3 +171,98 @@ def test_a_failed_publication_on_the_learner_side_is_never_swallowed():
     pipeline, recovered = _bare_pipeline(_FailingPublisher(died))
     pipeline._wait_publication()  # an idle generator that died is recovered here; a busy
     assert recovered == [0] and pipeline._epoch == [1, 0]  # one hears it from its call
+
+
+def _stream_pipeline(**config):
+    """A Pipeline's dispatch bookkeeping, no Ray: submissions are recorded."""
+    from ray_credit.pipeline.runner import Pipeline, PipelineConfig
+
+    pipeline = object.__new__(Pipeline)
+    pipeline.config = PipelineConfig(**config)
+    pipeline.generators = [0, 1, 2]
+    pipeline._queued, pipeline._epoch, pipeline._lost, pipeline._redo = (
+        [0, 0, 0],
+        [0, 0, 0],
+        set(),
+        [],
+    )
+    pipeline._chunks, pipeline.step, pipeline.version, pipeline._next = {}, 0, 0, 0
+    pipeline.chunk = pipeline.config.chunk_groups or pipeline.config.groups_per_step
+    pipeline.failures = {"pipeline/chunks_redone": 0.0, "pipeline/stale_chunks_redone": 0.0}
+    submitted = []
+
+    def submit(chunk, g):
+        pipeline._queued[g] += 1
+        chunk.generator, chunk.epoch, chunk.min_version = g, pipeline._epoch[g], pipeline.version
+        submitted.append((chunk.start, chunk.size))
+
+    pipeline._submit = submit
+    return pipeline, submitted
+
+
+def test_a_resumed_run_never_overlaps_a_restored_chunk():
+    """Resumed with larger chunks than the checkpoint's: the chunk before a restored one is
+    cut short, and each step is tiled exactly once."""
+    from ray_credit.pipeline.runner import _Chunk
+
+    pipeline, submitted = _stream_pipeline(steps=4, groups_per_step=8, max_staleness=1)
+    pipeline.step, pipeline.version, pipeline._next = 1, 1, 8
+    pipeline._chunks = {10: _Chunk(10, 2)}  # restored: generated before the checkpoint
+    pipeline._dispatch()
+    assert submitted == [(8, 2), (12, 4), (16, 8)]  # [8,10), then past [10,12)
+    assert sum(c.size for s, c in pipeline._chunks.items() if 8 <= s < 16) == 8
+
+
+def test_admission_follows_the_step_and_stops_at_the_run_end():
+    pipeline, submitted = _stream_pipeline(steps=2, groups_per_step=4, max_staleness=1)
+    pipeline.version = 7  # a learner resumed from elsewhere: admission follows the step
+    pipeline._dispatch()
+    assert submitted == [(0, 4), (4, 4)] and pipeline._admissible_end() == 8
+    pipeline.step = 1
+    assert pipeline._admissible_end() == 8  # no step 2 to generate for
+
+
+def test_a_chunk_generated_on_older_weights_than_sent_is_redone(monkeypatch):
+    """A generator Ray restarted before the driver heard of it runs its queued chunks on
+    base weights: they are redone, and the restart is handled once."""
+    import ray
+
+    from ray_credit.pipeline.runner import _Chunk
+
+    pipeline, submitted = _stream_pipeline(steps=4, groups_per_step=4, max_staleness=1)
+    pipeline.version = 2
+    recovered = []
+    pipeline._recover = recovered.append
+    chunks = [_Chunk(0, 2), _Chunk(2, 2)]
+    for chunk in chunks:
+        pipeline._submit(chunk, 1)  # min_version 2
+        chunk.summary_ref = object()
+    monkeypatch.setattr(ray, "get", lambda ref: {"oldest_versions": {0: 4}, "gen": {}})
+    for chunk in chunks:
+        pipeline._on_generated(chunk)
+    assert recovered == [1] and pipeline._epoch[1] == 1
+    assert pipeline.failures["pipeline/stale_chunks_redone"] == 2
+    assert pipeline._redo == chunks and all(c.summary is None for c in chunks)
+
+
+def test_step_stage_outcome_is_not_counted_twice():
+    batch = get_estimator("grpo")(random_batch(4, num_groups=4, group_size=2, max_turns=3))
+    parts = [
+        batch.select(np.flatnonzero(batch.group_index < 2)),
+        batch.select(np.flatnonzero(batch.group_index >= 2)),
+    ]
+    raw = [_report(p.select(range(len(p)))) for p in parts]
+    step = _report(batch)
+    m = step_metrics(
+        [generation_summary(p) for p in parts], [*raw, step], version=0, outcome_from=step
+    )
+    whole = step_metrics([generation_summary(batch)], [step], version=0)
+    assert m["train/tokens"] == whole["train/tokens"] and m["train/em"] == whole["train/em"]
+    assert m["train/groups_zero_advantage"] == whole["train/groups_zero_advantage"]
+
+
+def test_overlap_of_a_stage_with_training():
+    from ray_credit.pipeline.runner import _overlap
+
+    assert _overlap((0.0, 10.0), [(2.0, 4.0), (8.0, 12.0)]) == 4.0
+    assert _overlap((5.0, 6.0), [(2.0, 4.0)]) == 0.0
