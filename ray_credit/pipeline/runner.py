@@ -35,10 +35,15 @@ Failures. A generator whose process dies loses its call, not the run: the chunk 
 back to the front of the queue for the next idle generator. Ray restarts the actor when
 it was made with ``max_restarts`` (it comes back on the base weights, so the current ones
 are re-sent before it gets work); one that is gone for good leaves the pool, and the run
-goes on with the others. Every such event is counted (``pipeline/generator_failures``,
-``pipeline/generators_lost``, ``pipeline/chunks_redone``, ``sync/resyncs``). A stage that
-fails stops the run with an error naming the stage and the chunk's groups (the judge
-pool retries its own actors; the retriever is retried by the generators).
+goes on with the others. A chunk that comes back generated with older weights than were
+sent before it (its generator restarted before the driver heard of the death) is redone
+too, and so is one whose batch was lost with its node. Every such event is counted
+(``pipeline/generator_failures``, ``pipeline/generators_lost``, ``pipeline/chunks_redone``,
+``pipeline/stale_chunks_redone``, ``pipeline/chunks_lost``, ``sync/resyncs``). A stage
+that fails stops the run with an error naming the stage and the chunk's groups (the judge
+pool retries its own actors; the retriever is retried by the generators). While the loop
+waits for a restarted generator, or writes a checkpoint, it dispatches nothing: the
+learner may sit idle for that long.
 
 Backpressure. At most ``(max_staleness + 1) * B`` groups exist beyond the trained ones
 (in flight, staging or ready), each generator has at most two chunks in flight (one
@@ -50,8 +55,9 @@ stage's metrics and seconds (``time/stage_<name>_s``, summed over the step's chu
 outcomes, the learner's, and where the learner's time went: ``time/train_s``,
 ``time/wait_generation_s`` (idle, the step's chunks still generating),
 ``time/wait_stages_s`` (idle, generated but still in their stages), ``time/stages_s``
-(the stage tasks' seconds, from submission to their report, summed over the step's
-chunks) and ``time/stages_hidden_s`` (the part of those that overlapped training).
+(the stage tasks' wall time, summed over the step's chunks) and ``time/stages_hidden_s``
+(the part of it that overlapped the learner's training: the tasks' and the training
+calls' wall-clock intervals intersected).
 
 Checkpoints. :meth:`Pipeline.save` writes the learner (model, optimizer, scheduler, RNG,
 version) and ``pipeline.json`` (step, seed, data cursor) with every generated chunk not
