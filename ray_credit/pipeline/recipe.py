@@ -236,6 +236,23 @@ class RunConfig:
                 f"sampling temperature ({gen_t}; greedy: 1), or the on-policy ratio is not 1: "
                 f"pass --generator.temperature T --learner.temperature T together"
             )
+        if self.generator.backend == "vllm":
+            _check_vllm(self.generator, self.resources, self.pipeline)
+
+
+def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig) -> None:
+    if pipe.weight_sync != "object_store":
+        raise ValueError(
+            f"pipeline.weight_sync={pipe.weight_sync!r} broadcasts into the generators' own "
+            "memory, which vLLM's workers do not join: vLLM generators load published weights "
+            "through the object store; use --pipeline.weight_sync object_store"
+        )
+    tp = gen.vllm.tensor_parallel_size
+    if tp > 1 and res.generator_gpus != tp:
+        raise ValueError(
+            f"generator.vllm.tensor_parallel_size={tp} spans {tp} GPUs, but each generator "
+            f"asks Ray for resources.generator_gpus={res.generator_gpus:g}; set them equal"
+        )
 
 
 # ----------------------------------------------------------------------------- data

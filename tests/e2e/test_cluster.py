@@ -125,10 +125,12 @@ def _summary(out_dir: Path, name: str) -> dict:
     return json.loads((out_dir / name / "summary.json").read_text())
 
 
-def test_job_submit_against_a_local_head(tmp_path):
+@pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_job_submit_against_a_local_head(tmp_path, backend):
     """`ray job submit --working-dir . -- python pipelines/tspo.py`: the script connects
-    to the head (RAY_ADDRESS) instead of starting its own Ray."""
+    to the head (RAY_ADDRESS) instead of starting its own Ray; with either backend."""
     head = RayHead(tmp_path, "--num-cpus=4")
+    engine = ["--generator.vllm.kv_cache_gb", "1"] if backend == "vllm" else []
     try:
         out = subprocess.run(
             [
@@ -139,6 +141,7 @@ def test_job_submit_against_a_local_head(tmp_path):
                 "--resources.learner_resource", "none",
                 "--resources.service_resource", "none",
                 "--name", "submitted", "--output_dir", str(tmp_path / "runs"),
+                "--generator.backend", backend, *engine,
             ],
             cwd=ROOT, env=head.env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip

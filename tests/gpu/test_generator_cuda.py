@@ -26,8 +26,8 @@ def test_cuda_rollout_logprobs_match_teacher_forcing(tiny_cuda):
 
     model, _ = tiny_cuda
     assert next(model.parameters()).device.type == "cuda"
-    config = GeneratorConfig(group_size=4, max_turns=2, max_new_tokens=12, seed=3)
-    batch = Generator(tiny_cuda, WordRetriever(), config, max_batch_size=3).generate(QUESTIONS)
+    config = GeneratorConfig(group_size=4, max_turns=2, max_new_tokens=12, seed=3, max_batch_size=3)
+    batch = Generator(tiny_cuda, WordRetriever(), config).generate(QUESTIONS)
     assert len(batch) == 8 and batch.metrics["gen/generated_tokens"] > 0
     worst = 0.0
     for row in batch.to_records():

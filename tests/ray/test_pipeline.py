@@ -5,6 +5,7 @@ chunk with the driver holding refs only, resume."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -14,6 +15,7 @@ from ray_credit.actors.generator import GeneratorConfig, make_generator_actor  #
 from ray_credit.actors.learner import LearnerConfig  # noqa: E402
 from ray_credit.actors.learner_group import LearnerGroup  # noqa: E402
 from ray_credit.actors.retriever import make_retriever_actor  # noqa: E402
+from ray_credit.actors.sampling import VLLMConfig  # noqa: E402
 from ray_credit.data import WorldConfig, make_world  # noqa: E402
 from ray_credit.pipeline import Pipeline, PipelineConfig, estimator_stage  # noqa: E402
 
@@ -113,12 +115,15 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path)
     learner.shutdown()
 
 
-def test_generators_dying_mid_run_lose_no_group(ray_cluster, world, retriever):
+@pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_generators_dying_mid_run_lose_no_group(ray_cluster, world, retriever, backend):
     """One generator is killed and restarted by Ray, the other killed for good: the run
-    finishes, every group trained once, the restarted one back on the current weights."""
+    finishes, every group trained once, the restarted one back on the current weights
+    (with vLLM: a new engine, loaded in place with the re-sent weights)."""
+    gen = replace(GEN, backend=backend, vllm=VLLMConfig(kv_cache_gb=1))
     generators = [
-        make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25, max_restarts=1),
-        make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25),
+        make_generator_actor("tiny-random", retriever, gen, num_cpus=0.25, max_restarts=1),
+        make_generator_actor("tiny-random", retriever, gen, num_cpus=0.25),
     ]
     learner = LearnerGroup("tiny-random", LearnerConfig(lr=1e-3))
 

@@ -39,6 +39,30 @@ def run(script, args, ray_cluster, timeout=600):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
+def test_tspo_with_vllm_generators(ray_cluster, tmp_path):
+    """`pipelines/tspo.py --generator.backend vllm`: training and evaluation generators
+    on vLLM engines, weights loaded in place after every step."""
+    stdout = run(
+        "tspo.py",
+        [*SMALL, "--output_dir", str(tmp_path), "--generator.backend", "vllm",
+         "--generator.vllm.kv_cache_gb", "1", "--wandb", "disabled"],
+        ray_cluster,
+    )  # fmt: skip
+    assert "eval before training: EM" in stdout and "step 2/2" in stdout
+    summary = json.loads((tmp_path / "tspo" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["groups_trained"] == 4
+    assert {"eval_before", "eval_after"} <= set(summary)
+    rows = [
+        json.loads(line) for line in (tmp_path / "tspo" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert rows[-1]["gen/generated_tokens"] > 0
+    # published weights were loaded into the engine (a failed load fails the run)
+    assert rows[-1]["sync/publications"] >= 1
+    assert any(r.get("sync/last_seconds", 0) > 0 for r in rows)
+
+
+@pytest.mark.slow
 def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     stdout = run("tspo.py", [*SMALL, "--output_dir", str(tmp_path)], ray_cluster)
     out = tmp_path / "tspo"

@@ -259,8 +259,14 @@ def test_real_tiny_model_logprobs_match_teacher_forcing(tiny):
     gen = Generator(
         tiny,
         WordRetriever(),
-        GeneratorConfig(group_size=3, max_turns=2, max_new_tokens=12, temperature=1.0, seed=3),
-        max_batch_size=4,  # two micro-batches for six rows
+        GeneratorConfig(
+            group_size=3,
+            max_turns=2,
+            max_new_tokens=12,
+            temperature=1.0,
+            seed=3,
+            max_batch_size=4,  # two micro-batches for six rows
+        ),
     )
     batch = gen.generate(QUESTIONS)
     assert len(batch) == 6 and batch.num_groups == 2
