@@ -21,6 +21,10 @@ SMALL = [
     "--resources.generator_cpus", "0.5",
     "--resources.learner_cpus", "0.5",
     "--resources.eval_cpus", "0.5",
+    # the embedded default is vLLM; these tests are about the pipelines, and tiny-random
+    # on the transformers sampler starts in a second (test_tspo_with_vllm_generators
+    # runs the default backend)
+    "--generator.backend", "transformers",
 ]  # fmt: skip
 
 

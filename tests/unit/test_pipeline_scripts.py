@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ def test_help_and_bad_flags():
             capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
         )  # fmt: skip
         assert out.returncode == 0 and "--data.questions" in out.stdout, script
+        assert "--generator.backend" in out.stdout and "--generator.vllm.kv_cache_gb" in out.stdout
     bad = subprocess.run(
         [sys.executable, str(ROOT / "pipelines" / "tspo.py"), "--pipeline.steps", "zero"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
@@ -85,6 +87,40 @@ def test_a2tgpo_trains_with_its_papers_turn_level_loss(capsys):
     assert igpo.learner.kl_coef == 1e-3
 
 
+def test_generator_backend_settings_and_refusals(capsys):
+    """The embedded run generates with vLLM; engine settings are flags; combinations that
+    cannot work are refused before any actor starts, saying what to change."""
+    from ray_credit.pipeline.recipe import load_config
+
+    run = load("tspo.py", "TSPORun")
+    cfg = load_config(run, "tspo", [], default_config=EMBEDDED)
+    assert cfg.generator.backend == "vllm" and cfg.generator.dtype == "float32"
+    cfg = load_config(
+        run, "tspo",
+        ["--generator.vllm.kv_cache_gb", "3", "--generator.vllm.max_model_len", "4096",
+         "--generator.vllm.enable_prefix_caching", "false", "--generator.dtype", "bfloat16"],
+        default_config=EMBEDDED,
+    )  # fmt: skip
+    vllm = cfg.generator.vllm
+    assert (vllm.kv_cache_gb, vllm.max_model_len, vllm.enable_prefix_caching) == (3, 4096, False)
+    assert cfg.generator.dtype == "bfloat16"
+    refusals = {
+        "weight_sync='nccl'.*object store": ["--pipeline.weight_sync", "nccl"],
+        "tensor_parallel_size=2.*generator_gpus=0": ["--generator.vllm.tensor_parallel_size", "2"],
+        "max_model_len \\(1024\\) is below max_context_tokens": [
+            "--generator.vllm.max_model_len",
+            "1024",
+        ],
+        "backend must be one of": ["--generator.backend", "sglang"],
+        "dtype must be one of": ["--generator.dtype", "float64"],
+        "kv_cache_gb must be >= 1": ["--generator.vllm.kv_cache_gb", "0"],
+    }
+    for message, argv in refusals.items():
+        with pytest.raises(SystemExit):  # the parser's error: usage, then the reason
+            load_config(run, "tspo", argv, default_config=EMBEDDED)
+        assert re.search(message, capsys.readouterr().err), message
+
+
 def test_plans_refuse_what_cannot_work():
     from ray_credit.pipeline.plan import make_plan
     from ray_credit.pipeline.recipe import load_config
@@ -106,7 +142,7 @@ def test_plans_refuse_what_cannot_work():
     igpo = load_config(
         load("igpo.py", "IGPORun"),
         "igpo",
-        ["--pipeline.weight_sync", "gloo"],
+        ["--pipeline.weight_sync", "gloo", "--generator.backend", "transformers"],
         default_config=EMBEDDED,
     )
     with pytest.raises(ValueError, match="weight_sync='gloo'.*object_store"):
