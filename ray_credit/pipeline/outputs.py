@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Logger", "plot"]
+__all__ = ["Logger", "plot", "smooth"]
 
 
 class Logger:
@@ -62,6 +62,9 @@ class Logger:
 
 
 def plot(rows: list[dict], summary: dict, path: Path) -> None:
+    """Training reward per step (points) with a smoothed line, training EM, and held-out
+    EM before and after training with its 95 % interval (Wilson) as error bars; the
+    title carries the paired change when both evaluations ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,17 +72,50 @@ def plot(rows: list[dict], summary: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["pipeline/step"] for r in rows]
-    ax.plot(steps, [r.get("train/reward_mean", 0) for r in rows], marker="o", label="train reward")
-    ax.plot(steps, [r.get("train/em", 0) for r in rows], marker=".", label="train EM")
+    reward = [r.get("train/reward_mean", 0.0) for r in rows]
+    if rows:
+        ax.plot(steps, reward, "o", color="C0", alpha=0.35, label="train reward")
+        ax.plot(steps, smooth(reward), color="C0", label="train reward (smoothed)")
+        ax.plot(steps, [r.get("train/em", 0.0) for r in rows], ".", color="C1", alpha=0.5,
+                label="train EM")  # fmt: skip
     evals = [(0, summary.get("eval_before")), (summary.get("steps", 0), summary.get("eval_after"))]
-    points = [(s, e["em"]) for s, e in evals if e]
+    points = [(s, e) for s, e in evals if e]
     if points:
-        ax.plot(*zip(*points, strict=True), marker="s", linestyle="--", label="held-out EM")
+        xs = [s for s, _ in points]
+        ems = [e["em"] for _, e in points]
+        bars = [
+            # max(0, .): float rounding at EM 0 or 1, where an end meets the point
+            (max(0.0, e["em"] - e["em_interval"][0]), max(0.0, e["em_interval"][1] - e["em"]))
+            if e.get("em_interval")
+            else (0.0, 0.0)
+            for _, e in points
+        ]
+        ax.errorbar(xs, ems, yerr=list(zip(*bars, strict=True)), fmt="s--", color="C2",
+                    capsize=4, label="held-out EM (95% CI)")  # fmt: skip
+    title = summary["config"]["name"]
+    change = summary.get("eval_change", {}).get("all")
+    if change:
+        title += (
+            f"  |  held-out EM change {change['diff']:+.3f} "
+            f"[{change['low']:+.3f}, {change['high']:+.3f}], n={change['n']}"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("reward / exact match")
-    ax.set_title(summary["config"]["name"])
-    ax.legend()
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def smooth(values: list[float], weight: float = 0.6) -> list[float]:
+    """Exponential moving average, debiased at the start (as TensorBoard's smoothing)."""
+    if not 0 <= weight < 1:
+        raise ValueError(f"weight must be in [0, 1), got {weight}")
+    out, last, norm = [], 0.0, 0.0
+    for value in values:
+        last = weight * last + (1 - weight) * value
+        norm = weight * norm + (1 - weight)
+        out.append(last / norm)
+    return out

@@ -46,6 +46,8 @@ __all__ = [
     "RetrieverConfig",
     "RunConfig",
     "connect",
+    "describe_change",
+    "eval_change",
     "evaluate",
     "load_config",
     "load_data",
@@ -292,20 +294,64 @@ def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dic
 def _eval_summary(batch: Any) -> dict[str, Any]:
     """Exact match of one rollout per question, overall and per data source (runs where
     the batch is, in a Ray task)."""
+    from ray_credit.stats import proportion_interval
+
     reward = batch.traj_values("outcome_reward")
-    sources = batch.column("data_source").to_pylist()
+    sources = [s or "unknown" for s in batch.column("data_source").to_pylist()]
     per_source: dict[str, list[float]] = {}
     for source, r in zip(sources, reward, strict=True):
-        per_source.setdefault(source or "unknown", []).append(float(r >= 1.0))
+        per_source.setdefault(source, []).append(float(r >= 1.0))
+    # "<position>:<question>": an evaluation rolls the held-out list out in order, one
+    # trajectory per question, so this pairs it with another evaluation of the same list
+    keys = [f"{i}:{q}" for i, q in enumerate(batch.column("question").to_pylist())]
+    correct = [int(r >= 1.0) for r in reward]
     m, n = batch.metrics, max(len(batch), 1)
     return {
         "em": float((reward >= 1.0).mean()),
+        "em_interval": list(proportion_interval(sum(correct), len(correct))) if correct else None,
         "em_by_source": {k: float(np.mean(v)) for k, v in sorted(per_source.items())},
         "count_by_source": {k: len(v) for k, v in sorted(per_source.items())},
+        "correct": dict(zip(keys, correct, strict=True)),
+        "source": dict(zip(keys, sources, strict=True)),
         "answered": m.get("gen/answered", 0.0) / n,
         "searches_per_traj": m.get("gen/searches", 0.0) / n,
         "questions": len(batch),
     }
+
+
+def _eval_metrics(result: Mapping[str, Any]) -> dict[str, float]:
+    low, high = result.get("em_interval") or (result["em"], result["em"])
+    return {"eval/em": result["em"], "eval/em_low": low, "eval/em_high": high}
+
+
+def eval_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, dict]:
+    """EM after minus EM before on the same held-out questions, with a paired 95 %
+    bootstrap interval (:func:`ray_credit.stats.paired_difference`), overall ("all") and
+    per data source."""
+    from ray_credit.stats import paired_difference
+
+    change = {"all": paired_difference(before["correct"], after["correct"])}
+    for source in sorted(set(before["source"].values())):
+        keys = [k for k, s in before["source"].items() if s == source]
+        change[source] = paired_difference(
+            {k: before["correct"][k] for k in keys}, {k: after["correct"][k] for k in keys}
+        )
+    return change
+
+
+def describe_change(before: Mapping, after: Mapping, change: Mapping[str, dict]) -> str:
+    """Lines saying how held-out EM moved, with the paired interval, overall and per source."""
+    lines = []
+    for name, c in change.items():
+        em_b = before["em"] if name == "all" else before["em_by_source"][name]
+        em_a = after["em"] if name == "all" else after["em_by_source"][name]
+        verdict = "excludes 0" if c["low"] > 0 or c["high"] < 0 else "includes 0"
+        lines.append(
+            f"  {name:<16} EM {em_b:.3f} -> {em_a:.3f}  change {c['diff']:+.3f} "
+            f"[95% CI {c['low']:+.3f}, {c['high']:+.3f}; {verdict}]  n={c['n']} "
+            f"({c['better']} better, {c['worse']} worse)"
+        )
+    return "held-out EM, paired on the same questions:\n" + "\n".join(lines)
 
 
 def submit_evaluation(generator: Any, questions: Sequence[Mapping[str, Any]]) -> Any:
@@ -539,7 +585,7 @@ def train(cfg: Any, estimator: str) -> dict:
         summary["eval_before"] = _evaluate_policy(
             cfg, retriever, learner, eval_q, "before training"
         )
-        logger.log({"eval/em": summary["eval_before"]["em"]}, step=0)
+        logger.log(_eval_metrics(summary["eval_before"]), step=0)
     # The pipeline.
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
@@ -567,8 +613,17 @@ def train(cfg: Any, estimator: str) -> dict:
         summary["eval_after"] = _evaluate_policy(
             cfg, retriever, learner, eval_q, f"after {pipeline.step} steps"
         )
-        logger.log({"eval/em": summary["eval_after"]["em"]}, step=pipeline.step)
-        print(f"(before training: EM {summary['eval_before']['em']:.3f})", flush=True)
+        logger.log(_eval_metrics(summary["eval_after"]), step=pipeline.step)
+        if "eval_before" in summary:
+            summary["eval_change"] = eval_change(summary["eval_before"], summary["eval_after"])
+            print(describe_change(summary["eval_before"], summary["eval_after"],
+                                  summary["eval_change"]), flush=True)  # fmt: skip
+            change = summary["eval_change"]["all"]
+            logger.log(
+                {"eval/em_change": change["diff"], "eval/em_change_low": change["low"],
+                 "eval/em_change_high": change["high"]},
+                step=pipeline.step,
+            )  # fmt: skip
     # Outputs.
     summary["final_step_metrics"] = history[-1] if history else {}
     summary["seconds"] = time.perf_counter() - t_start

@@ -74,6 +74,8 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["groups_trained"] == 4
     assert 0 <= summary["eval_before"]["em"] <= 1 and "em_by_source" in summary["eval_after"]
+    assert "held-out EM, paired on the same questions" in stdout
+    assert summary["eval_change"]["all"]["n"] == 4  # the same 4 questions, before and after
     assert (out / "plot.png").stat().st_size > 1000
     assert (out / "checkpoint" / "pipeline.json").is_file()
     assert any((out / "wandb").iterdir())  # the offline wandb run

@@ -192,3 +192,7 @@ def test_generator_with_the_vllm_backend_keeps_its_token_bookkeeping():
     assert len(sampled_ids) > 1
     assert batch.metrics["gen/generated_tokens"] > 0
     assert batch.metrics["gen/reused_tokens"] > 0  # later turns read the prefix cache
+    assert generator.update_weights(1, model.state_dict()) == 1
+    later = generator.generate(QUESTIONS[:1])
+    assert {turn["policy_version"] for row in later.to_records() for turn in row["turns"]} == {1}
+    assert later.metrics["gen/weight_load_seconds"] > 0

@@ -1,0 +1,81 @@
+"""Intervals of held-out EM: Wilson for one evaluation, a paired bootstrap for the change,
+the evaluation summary that pairs them, and the plot that shows them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ray_credit.stats import paired_difference, proportion_interval
+
+
+def test_wilson_interval_matches_known_values():
+    # 7 of 24 at 95 %: scipy's binomtest(7, 24).proportion_ci(method="wilson")
+    low, high = proportion_interval(7, 24)
+    assert low == pytest.approx(0.149146, abs=1e-6) and high == pytest.approx(0.491677, abs=1e-6)
+    # none of n: the upper end is z^2 / (n + z^2) in closed form
+    assert proportion_interval(0, 10) == pytest.approx((0.0, 1.959964**2 / (10 + 1.959964**2)))
+    assert proportion_interval(10, 10)[1] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="n >= 1"):
+        proportion_interval(0, 0)
+    with pytest.raises(ValueError, match="successes"):
+        proportion_interval(5, 4)
+
+
+def test_paired_difference_excludes_zero_only_for_a_real_change():
+    rng = np.random.default_rng(0)
+    before = rng.random(200) < 0.2
+    gained = before | (rng.random(200) < 0.2)  # ~16 % of questions newly right
+    change = paired_difference(before.astype(float), gained.astype(float))
+    assert change["diff"] == pytest.approx(gained.mean() - before.mean())
+    assert change["low"] > 0 and change["worse"] == 0 and change["n"] == 200
+    noise = rng.permutation(before).astype(float)  # same EM, questions shuffled
+    flat = paired_difference(before.astype(float), noise)
+    assert flat["diff"] == 0 and flat["low"] < 0 < flat["high"]
+    again = paired_difference(before.astype(float), noise)
+    assert again == flat  # seeded
+
+
+def test_paired_difference_pairs_by_question_id_and_refuses_mismatches():
+    before = {"q1#0": 1, "q2#1": 0, "q3#2": 0}
+    after = {"q3#2": 1, "q1#0": 1, "q2#1": 0}
+    change = paired_difference(before, after)
+    assert change["diff"] == pytest.approx(1 / 3) and change["better"] == 1
+    with pytest.raises(ValueError, match="different questions"):
+        paired_difference(before, {"q1#0": 1, "q2#1": 0, "q9#2": 1})
+    with pytest.raises(ValueError, match="one score per question"):
+        paired_difference([1, 0], [1, 0, 1])
+    with pytest.raises(TypeError):
+        paired_difference(before, [1, 0, 0])
+
+
+def test_eval_summary_change_and_plot(tmp_path):
+    from ray_credit.pipeline.outputs import plot, smooth
+    from ray_credit.pipeline.recipe import _eval_summary, describe_change, eval_change
+    from ray_credit.testing import random_batch
+
+    batch = random_batch(0, num_groups=6, group_size=1)
+    batch = batch.with_traj_columns({"data_source": ["synthetic_1hop", "synthetic_2hop"] * 3})
+    summary = _eval_summary(batch)
+    assert len(summary["correct"]) == 6 and set(summary["correct"].values()) <= {0, 1}
+    assert summary["em"] == pytest.approx(np.mean(list(summary["correct"].values())))
+    low, high = summary["em_interval"]
+    assert low <= summary["em"] <= high
+    after = {**summary, "correct": dict.fromkeys(summary["correct"], 1), "em": 1.0}
+    after["em_interval"] = list(proportion_interval(6, 6))
+    after["em_by_source"] = dict.fromkeys(summary["em_by_source"], 1.0)
+    change = eval_change(summary, after)
+    assert set(change) == {"all", *summary["em_by_source"]}
+    assert change["all"]["diff"] == pytest.approx(1 - summary["em"])
+    text = describe_change(summary, after, change)
+    assert "paired on the same questions" in text and "95% CI" in text
+
+    rows = [{"pipeline/step": s, "train/reward_mean": r} for s, r in enumerate([0, 1, 0, 1], 1)]
+    full = {"config": {"name": "t"}, "steps": 4, "eval_before": summary, "eval_after": after,
+            "eval_change": change}  # fmt: skip
+    plot(rows, json.loads(json.dumps(full)), tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    assert smooth([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # debiased from the start
+    assert smooth([0.0, 1.0])[1] == pytest.approx(1 / 1.6)
