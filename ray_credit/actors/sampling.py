@@ -606,7 +606,8 @@ class VLLMSampler:
       through every worker (``collective_rpc``) and clears the prefix cache so no new
       policy reads an old policy's keys. With ``tensor_parallel_size`` 1 the engine and its
       worker live in this process (vLLM's ``uni`` executor, no engine subprocess), so
-      weights are loaded without being copied between processes.
+      weights are loaded without being copied between processes. vLLM keeps its parallel
+      state in process globals: run one engine per process (a generator actor has one).
     """
 
     def __init__(

@@ -1,0 +1,45 @@
+"""bench/learning.py --quick: the study's machinery (runs, aggregation, JSON, plot) on a
+tiny model, against the shared cluster. The study itself runs once, not in CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_learning_bench_quick(ray_cluster, tmp_path):
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "learning.py"), "--quick",
+         "--methods", "grpo,tspo", "--out", str(tmp_path / "learning.json"),
+         "--runs-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "learning.json").read_text())
+    assert set(report["methods"]) == {"grpo", "tspo"} and report["seeds"] == [0]
+    for method in ("grpo", "tspo"):
+        (run,) = report["runs"][method]
+        assert len(run["reward"]) == 1 and 0 <= run["em_after"] <= 1
+        assert run["em_change"]["n"] == 4  # the 4 held-out questions, paired
+        agg = report["methods"][method]
+        assert agg["em_after"]["n"] == 1 and agg["em_after"]["low"] is None  # one seed: no CI
+    assert (tmp_path / "learning.png").stat().st_size > 1000
+    assert "EM after (95% CI)" in out.stdout
+
+
+def test_t_interval_and_quantiles():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learning import _interval, _t975
+
+    assert _t975(2) == 4.303 and _t975(12) == 2.228 and abs(_t975(60) - 2.000) < 0.002
+    agg = _interval([0.1, 0.2, 0.3])
+    assert agg["mean"] == 0.2 and abs(agg["high"] - 0.2 - 4.303 * 0.1 / 3**0.5) < 1e-9
