@@ -22,7 +22,6 @@ per run. Writes JSON (``--out``) and one PNG of reward curves with bands (``--pl
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -104,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict:
     """One training run; what the study keeps of it."""
-    from ray_credit.pipeline.recipe import load_config, train
+    from ray_credit.pipeline.recipe import load_config, run_config_class, train
 
     script, cls_name = METHODS[method]
-    run_cls = _run_class(script, cls_name)
+    run_cls = run_config_class(ROOT / "pipelines" / script, cls_name)
     argv = [
         "--name", f"{method}-seed{seed}", "--output_dir", str(runs_dir), "--wandb", "disabled",
         "--pipeline.seed", str(seed), "--generator.seed", str(seed), "--learner.seed", str(seed),
@@ -223,15 +222,6 @@ def plot_curves(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _run_class(script: str, cls_name: str):
-    name = "pipelines_" + script.removesuffix(".py")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "pipelines" / script)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return getattr(sys.modules[name], cls_name)
 
 
 if __name__ == "__main__":

@@ -676,7 +676,7 @@ class VLLMSampler:
         self.tokenizer = load_tokenizer(model)  # the transformers backend's, pad and template
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self._folder = folder
-        self._shapes = None  # the architecture on the meta device, for load_weights checks
+        self._meta_model = None  # the architecture on the meta device, for load_weights checks
         self._stats = dict.fromkeys(("prefill_tokens", "reused_tokens"), 0)
 
     def stats(self) -> dict[str, int]:
@@ -692,15 +692,15 @@ class VLLMSampler:
         self.llm.reset_prefix_cache()  # keys and values of the old policy are stale now
 
     def _architecture(self) -> Any:
-        if self._shapes is None:
+        if self._meta_model is None:
             import torch
             from transformers import AutoConfig, AutoModelForCausalLM
 
             with torch.device("meta"):
-                self._shapes = AutoModelForCausalLM.from_config(
+                self._meta_model = AutoModelForCausalLM.from_config(
                     AutoConfig.from_pretrained(self._folder)
                 )
-        return self._shapes
+        return self._meta_model
 
     def sample(
         self, contexts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int

@@ -55,6 +55,7 @@ __all__ = [
     "make_generators",
     "make_judge_pool",
     "make_retriever",
+    "run_config_class",
     "submit_evaluation",
     "train",
 ]
@@ -702,6 +703,20 @@ def _warn_if_short(ray: Any, cfg: Any, plan: Plan) -> None:
             "eval_cpus, ...) or unset the custom resources to fit.",
             flush=True,
         )
+
+
+def run_config_class(script: str | os.PathLike[str], name: str) -> type:
+    """The run config class ``name`` of a pipeline script (``pipelines/<method>.py``; the
+    scripts are not a package), imported once per process."""
+    import importlib.util
+
+    path = Path(script)
+    module_name = "pipelines_" + path.stem
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        sys.modules[module_name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[module_name])
+    return getattr(sys.modules[module_name], name)
 
 
 def load_config(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ray_credit.estimators.tspo import TSPOConfig
-from ray_credit.pipeline.recipe import RunConfig
+from ray_credit.pipeline.recipe import RunConfig, run_config_class
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,14 +47,8 @@ class TSPORun(RunConfig):
 
 
 def load(script: str, cls_name: str):
-    """A pipeline script's run config class (the scripts are not a package)."""
-    name = "pipelines_" + script.removesuffix(".py")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "pipelines" / script)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    module = sys.modules[name]
-    return getattr(module, cls_name)
+    """A pipeline script's run config class."""
+    return run_config_class(ROOT / "pipelines" / script, cls_name)
 
 
 EMBEDDED = ROOT / "pipelines" / "configs" / "embedded.yaml"
