@@ -124,8 +124,19 @@ class LearnerConfig:
     logprobs, the default on CPUs), ``"bfloat16"`` (GPUs), ``"float16"`` or ``"auto"`` (the
     checkpoint's own), as :func:`ray_credit.models.load_model` takes it."""
 
+    autocast: str | None = None
+    """Mixed precision: ``"bfloat16"`` (or ``"float16"``) runs the forward and backward
+    matmuls in that dtype under ``torch.autocast`` while weights, gradients and optimizer
+    state stay in ``dtype`` (float32 master weights). None: off. On CPUs with bf16
+    instructions (avx512_bf16, AMX) it is ~2x faster; log-probs then differ from a
+    float32 generator's by bf16 rounding, which shows in ``learner/ratio_*``."""
+
     def __post_init__(self) -> None:
         model_dtype(self.dtype)  # raises ValueError naming the dtypes it knows
+        if self.autocast not in (None, "bfloat16", "float16"):
+            raise ValueError(
+                f"autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}"
+            )
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature must be a positive finite number (the generator's; greedy: 1), "
@@ -221,7 +232,11 @@ class Learner:
         )
         self.policy_version = 0
         self.optimizer_steps = 0
-        self.counters = {"learner/nonfinite_grad_steps": 0, "learner/batches": 0}
+        self.counters = {
+            "learner/nonfinite_grad_steps": 0,
+            "learner/batches": 0,
+            "learner/zero_gradient_batches": 0,
+        }
         self._rng = np.random.default_rng(self.config.seed)
         self._weight_group = None  # set by open_weight_group (broadcast weight sync)
 
@@ -323,6 +338,12 @@ class Learner:
                 for rows in np.array_split(order, self.config.mini_batches)
             ]
         needed = np.unique(np.concatenate(schedule))
+        if self._gradient_is_zero(data):
+            # every advantage is 0 and no KL or entropy term: the loss's gradient is exactly
+            # zero, so the passes are skipped and the optimizer steps on zero gradients (as
+            # it would after them: AdamW's momentum and weight decay still move weights)
+            self.counters["learner/zero_gradient_batches"] += 1
+            return self._finish(self._zero_steps(len(schedule)), tensors, n, start, len(schedule))
         if self.config.off_policy != "none":
             data["proximal"] = self._logprobs_no_grad(self.model, data, lengths, needed)
         if self.reference is not None:
@@ -334,7 +355,30 @@ class Learner:
             for key, value in step_metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         steps = self.config.epochs * self.config.mini_batches
-        metrics = {f"learner/{k}": v / steps for k, v in totals.items()}
+        return self._finish({k: v / steps for k, v in totals.items()}, tensors, n, start, steps)
+
+    def _gradient_is_zero(self, data: dict) -> bool:
+        return (
+            self.config.kl_coef == 0
+            and self.config.entropy_coef == 0
+            and not bool((data["advantages"] * data["mask"]).any())
+        )
+
+    def _zero_steps(self, count: int) -> dict[str, float]:
+        """``count`` optimizer steps on zero gradients; the step's loss metrics are 0."""
+        import torch
+
+        for _ in range(count):
+            self.optimizer.zero_grad(set_to_none=True)
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            self._clip_and_step()
+        return {"loss": 0.0, "pg_loss": 0.0, "grad_norm": 0.0}
+
+    def _finish(self, means: dict, tensors: dict, n: int, start: float, steps: int) -> dict:
+        """The update's metrics (``means``: per optimizer step), after the version moves."""
+        metrics = {f"learner/{k}": v for k, v in means.items()}
         self.policy_version += 1
         self.counters["learner/batches"] += 1
         seconds = time.perf_counter() - start
@@ -371,12 +415,13 @@ class Learner:
         for i, (part, dummy) in enumerate(micro):
             index = rows[part]
             width = int(lengths[index].max())
-            sl = slice(0, width - 1)
+            sl = trained_span(data["mask"][index], width)
             m = data["mask"][index, sl].to(self.device)
             w = weights[part, sl].to(self.device)
             with self.world.no_sync(self.train_model) if i < count - 1 else _null():
-                logits = self._logits(self.train_model, data, index, width)
-                logp = _token_logprobs(logits, data["input_ids"][index, 1:width].to(self.device))
+                logits = self._logits(self.train_model, data, index, sl)
+                targets = data["input_ids"][index, sl.start + 1 : width].to(self.device)
+                logp = token_logprobs(logits, targets)
                 old = data["proximal" if config.off_policy != "none" else "behavior"]
                 pg = policy_loss_per_token(
                     logp, old[index, sl].to(self.device), data["advantages"][index, sl].to(self.device),
@@ -496,22 +541,19 @@ class Learner:
         return [(part, False) for part in micro] + [(micro[0][:1], True)] * extra
 
     def _micro_batches(self, lengths):
-        """Groups of row positions (sorted by length) of at most micro_batch_tokens padded."""
-        order = np.argsort(-lengths.numpy(), kind="stable")
-        part: list[int] = []
-        for pos in order:
-            longest = int(lengths[part[0]]) if part else int(lengths[pos])
-            if part and (len(part) + 1) * longest > self.config.micro_batch_tokens:
-                yield np.array(part)
-                part = []
-            part.append(int(pos))
-        if part:
-            yield np.array(part)
+        return micro_batches(lengths, self.config.micro_batch_tokens)
 
-    def _logits(self, model, data: dict, index, width: int):
+    def _logits(self, model, data: dict, index, span: slice):
+        """Tempered logits of the positions in ``span`` (target-aligned: position t
+        predicts token t+1). Only those go through the vocabulary projection: a prompt
+        and the observations before the first trained token need none, and on a 49k
+        vocabulary that projection is a third of a small model's forward and backward."""
+        width = span.stop + 1
         ids = data["input_ids"][index, :width].to(self.device)
         attention = data["attention_mask"][index, :width].to(self.device)
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        with autocast(self.device, self.config.autocast):
+            out = model(input_ids=ids, attention_mask=attention, logits_to_keep=width - span.start)
+        logits = out.logits[:, :-1].float()
         t = self.config.temperature
         return logits if t == 1.0 else logits / t
 
@@ -524,11 +566,12 @@ class Learner:
             for part, dummy in self._passes(lengths[rows]):
                 index = torch.as_tensor(rows[part])
                 width = int(lengths[index].max())
-                logits = self._logits(model, data, index, width)
+                sl = trained_span(data["mask"][index], width)
+                logits = self._logits(model, data, index, sl)
                 if dummy:
                     continue
-                ids = data["input_ids"][index, 1:width].to(self.device)
-                out[index, : width - 1] = _token_logprobs(logits, ids).float().cpu()
+                ids = data["input_ids"][index, sl.start + 1 : width].to(self.device)
+                out[index, sl] = token_logprobs(logits, ids).float().cpu()
         return out * data["mask"]
 
     # ------------------------------------------------------------------- checkpoint
@@ -631,7 +674,40 @@ def _read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _token_logprobs(logits, targets):
+def trained_span(mask, width: int) -> slice:
+    """Target positions ``[first trained token of any row, width - 1)`` of a micro-batch
+    (``mask``: target-aligned loss mask, rows x positions); one position when no row
+    has a trained token (the pass still runs, e.g. for FSDP's collectives)."""
+    trained = mask[:, : width - 1].any(0).nonzero()
+    start = int(trained[0]) if len(trained) else width - 2
+    return slice(max(start, 0), width - 1)
+
+
+def micro_batches(lengths, budget: int):
+    """Groups of row positions (sorted by length, longest first) of at most ``budget``
+    padded tokens each; a row longer than ``budget`` gets a pass of its own."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    part: list[int] = []
+    for pos in order:
+        longest = int(lengths[part[0]]) if part else int(lengths[pos])
+        if part and (len(part) + 1) * longest > budget:
+            yield np.array(part)
+            part = []
+        part.append(int(pos))
+    if part:
+        yield np.array(part)
+
+
+def autocast(device: Any, dtype: str | None):
+    """``torch.autocast`` on ``device``'s type in ``dtype`` (None: a no-op context)."""
+    import torch
+
+    if dtype is None:
+        return _null()
+    return torch.autocast(torch.device(device).type, dtype=getattr(torch, dtype))
+
+
+def token_logprobs(logits, targets):
     """log softmax(logits)[target] per position, in float32, without a (B, L, V) log-softmax."""
     logits = logits.float()
     return logits.gather(-1, targets[..., None])[..., 0] - logits.logsumexp(-1)

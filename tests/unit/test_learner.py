@@ -269,3 +269,59 @@ def test_missing_advantages_is_a_clear_error(batch):
     )
     with pytest.raises(Exception, match="turn_advantages"):
         _learner().train(plain)
+
+
+def test_logprobs_of_the_trained_span_equal_a_full_forward(batch):
+    """Only positions from the first trained token on go through the vocabulary projection;
+    the log-probs there equal those of a forward pass over every position."""
+    learner = _learner(LearnerConfig(lr=1e-3, micro_batch_tokens=64))  # several passes
+    tensors = batch.to_torch(pad_token_id=int(learner.tokenizer.pad_token_id))
+    data = {
+        "input_ids": tensors["input_ids"],
+        "attention_mask": tensors["attention_mask"],
+        "mask": tensors["loss_mask"][:, 1:],
+        "behavior": tensors["behavior_logprobs"][:, 1:],
+    }
+    lengths = tensors["attention_mask"].sum(-1)
+    rows = np.arange(len(batch))
+    ours = learner._logprobs_no_grad(learner.model, data, lengths, rows)
+    for row in rows:
+        expected = _sequence_logprob(learner, batch, row)
+        assert float(ours[row].sum()) == pytest.approx(expected, abs=1e-4)
+
+
+def test_autocast_trains_float32_weights_near_the_float32_update(batch):
+    """bf16 autocast: the weights stay float32, and one update moves them as float32 does
+    up to bf16 rounding."""
+    full, mixed = _learner(), _learner(LearnerConfig(lr=1e-3, autocast="bfloat16"))
+    before = _weights(full)
+    full.train(batch)
+    mixed.train(batch)
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    step_full = {k: full.model.state_dict()[k] - before[k] for k in before}
+    step_mixed = {k: mixed.model.state_dict()[k] - before[k] for k in before}
+    flat_full = torch.cat([v.flatten() for v in step_full.values()])
+    flat_mixed = torch.cat([v.flatten() for v in step_mixed.values()])
+    cosine = torch.nn.functional.cosine_similarity(flat_full, flat_mixed, dim=0)
+    assert cosine > 0.9, cosine
+    with pytest.raises(ValueError, match="autocast"):
+        LearnerConfig(autocast="int8")
+
+
+def test_zero_advantages_skip_the_passes_but_not_the_optimizer_step(batch, monkeypatch):
+    """All advantages 0, no KL or entropy: the update equals the full passes' (AdamW still
+    steps on the zero gradient), without running them; it is counted."""
+    zero = batch.with_turn_columns(
+        {"turn_advantages": np.zeros(batch.num_turns, dtype=np.float32)}
+    )
+    config = LearnerConfig(lr=1e-3, weight_decay=0.1)
+    warmed, full = _learner(config), _learner(config)
+    for learner in (warmed, full):  # momentum from a real step first
+        learner.train(batch)
+    metrics = warmed.train(zero)
+    monkeypatch.setattr(Learner, "_gradient_is_zero", lambda self, data: False)
+    full.train(zero)
+    assert metrics["learner/zero_gradient_batches"] == 1
+    assert metrics["learner/optimizer_steps"] == 2 and metrics["learner/grad_norm"] == 0
+    assert _max_diff(_weights(warmed), _weights(full)) < 1e-6
+    assert _max_diff(_weights(warmed), _weights(_learner(config))) > 0  # it did move
