@@ -223,6 +223,8 @@ class Generator:
         name: prefix of the group ids this generator writes (default: a random id), so
             that batches from several generators or calls never share a group id.
         retrieval_timeout_s: how long one retrieval call through a Ray actor may take.
+        sampler: a ready :class:`~ray_credit.actors.sampling.Sampler` to use instead of
+            loading ``model`` (e.g. :class:`ray_credit.warm_start.ScriptedSampler`).
     """
 
     def __init__(
@@ -234,6 +236,7 @@ class Generator:
         device: str = "cpu",
         name: str | None = None,
         retrieval_timeout_s: float = RETRIEVAL_TIMEOUT_S,
+        sampler: Sampler | None = None,
     ):
         if retriever is None:
             raise ValueError(
@@ -241,7 +244,7 @@ class Generator:
                 "actor handle (see ray_credit.actors.retriever)"
             )
         self.config = config or GeneratorConfig()
-        self.sampler: Sampler = _make_sampler(model, self.config, device=device)
+        self.sampler: Sampler = sampler or _make_sampler(model, self.config, device=device)
         self.tokenizer = self.sampler.tokenizer
         self.template = load_prompt_template(self.config.prompt_template)
         self._final_prefix_ids = list(
@@ -388,7 +391,7 @@ class Generator:
         rollouts = []
         for i, q in enumerate(questions):
             text, golds = _check_question(q, i)
-            prompt_ids = self._prompt_ids(normalize_question(text))
+            prompt_ids = self.prompt_ids(text)
             qid = str(q.get("id") or _question_id(text))
             group = f"{qid}@{call}.{i}"
             for j in range(size):
@@ -406,8 +409,10 @@ class Generator:
                 )
         return rollouts
 
-    def _prompt_ids(self, question: str) -> list[int]:
-        messages = [{"role": "user", "content": self.template.render(question)}]
+    def prompt_ids(self, question: str) -> list[int]:
+        """The ids a rollout of ``question`` starts from: the chat template over the
+        prompt template, then ``response_prefix``."""
+        messages = [{"role": "user", "content": self.template.render(normalize_question(question))}]
         if self.config.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         text = self.tokenizer.apply_chat_template(

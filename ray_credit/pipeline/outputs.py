@@ -79,19 +79,10 @@ def plot(rows: list[dict], summary: dict, path: Path) -> None:
         ax.plot(steps, [r.get("train/em", 0.0) for r in rows], ".", color="C1", alpha=0.5,
                 label="train EM")  # fmt: skip
     evals = [(0, summary.get("eval_before")), (summary.get("steps", 0), summary.get("eval_after"))]
-    points = [(s, e) for s, e in evals if e]
-    if points:
-        xs = [s for s, _ in points]
-        ems = [e["em"] for _, e in points]
-        bars = [
-            # max(0, .): float rounding at EM 0 or 1, where an end meets the point
-            (max(0.0, e["em"] - e["em_interval"][0]), max(0.0, e["em_interval"][1] - e["em"]))
-            if e.get("em_interval")
-            else (0.0, 0.0)
-            for _, e in points
-        ]
-        ax.errorbar(xs, ems, yerr=list(zip(*bars, strict=True)), fmt="s--", color="C2",
-                    capsize=4, label="held-out EM (95% CI)")  # fmt: skip
+    _eval_points(ax, [(s, e) for s, e in evals if e], "s--", "C2", "held-out EM (95% CI)")
+    if summary.get("eval_base"):
+        _eval_points(ax, [(0, summary["eval_base"])], "v", "C3",
+                     "held-out EM before the warm-start")  # fmt: skip
     title = summary["config"]["name"]
     change = summary.get("eval_change", {}).get("all")
     if change:
@@ -107,6 +98,22 @@ def plot(rows: list[dict], summary: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _eval_points(ax: Any, points: list, fmt: str, color: str, label: str) -> None:
+    """Held-out EM at its steps, with its 95 % interval as error bars."""
+    if not points:
+        return
+    bars = [
+        # max(0, .): float rounding at EM 0 or 1, where an end meets the point
+        (max(0.0, e["em"] - e["em_interval"][0]), max(0.0, e["em_interval"][1] - e["em"]))
+        if e.get("em_interval")
+        else (0.0, 0.0)
+        for _, e in points
+    ]
+    ax.errorbar([s for s, _ in points], [e["em"] for _, e in points],
+                yerr=list(zip(*bars, strict=True)), fmt=fmt, color=color, capsize=4,
+                label=label)  # fmt: skip
 
 
 def smooth(values: list[float], weight: float = 0.6) -> list[float]:

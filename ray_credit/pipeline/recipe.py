@@ -37,6 +37,7 @@ from ray_credit.actors.retriever import EncoderConfig, IndexConfig
 from ray_credit.data import WorldConfig
 from ray_credit.pipeline.plan import Plan, make_plan, recipe_defaults
 from ray_credit.pipeline.runner import Pipeline, PipelineConfig
+from ray_credit.warm_start import WarmStartConfig
 
 __all__ = [
     "DataConfig",
@@ -83,6 +84,9 @@ class EvalConfig:
 
     enabled: bool = True
     """Evaluate before and after training."""
+    before_warm_start: bool = True
+    """With a warm-start, also evaluate the policy before it (its gain is then reported
+    apart from RL's)."""
     max_new_tokens: int | None = None
     """Token limit per turn (None: the generator's)."""
 
@@ -225,6 +229,8 @@ class RunConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised fine-tuning on scripted demonstrations before RL (ray_credit.warm_start)."""
 
     def __post_init__(self) -> None:
         if self.wandb not in ("offline", "online", "disabled"):
@@ -562,6 +568,7 @@ def train(cfg: Any, estimator: str) -> dict:
     plan = make_plan(cfg, estimator, train_q)
     for departure in plan.departures:
         print(f"note: departs from {estimator}'s recipe: {departure}", flush=True)
+    titles = _checked_demonstrations(cfg, corpus, train_q) if cfg.warm_start.enabled else {}
     # Services: retriever, judges, scorer, generators, learner.
     ray = connect(cfg)
     _warn_if_short(ray, cfg, plan)
@@ -569,11 +576,6 @@ def train(cfg: Any, estimator: str) -> dict:
     retriever = make_retriever(
         corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder or str(out / "index")
     )
-    judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
-    scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
-    train_q = with_reference_plans(plan, judges, train_q, out / "reference_plans.jsonl")
-    generators = make_generators(cfg.model, retriever, cfg, cfg.generator, prefix="gen")
-    learner = make_learner(cfg)
     logger = Logger(cfg, out)
     summary: dict[str, Any] = {
         "config": asdict(cfg),
@@ -581,6 +583,14 @@ def train(cfg: Any, estimator: str) -> dict:
         "departures": list(plan.departures),
         "output_dir": str(out),
     }
+    # The warm-start: every actor below then loads the warm-started policy as its model.
+    if cfg.warm_start.enabled:
+        cfg = _warm_start(cfg, retriever, train_q, eval_q, titles, out, summary, logger)
+    judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
+    scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
+    train_q = with_reference_plans(plan, judges, train_q, out / "reference_plans.jsonl")
+    generators = make_generators(cfg.model, retriever, cfg, cfg.generator, prefix="gen")
+    learner = make_learner(cfg)
     # Evaluation before training (a resumed run: of the resumed policy).
     if cfg.eval.enabled:
         summary["eval_before"] = _evaluate_policy(
@@ -619,6 +629,13 @@ def train(cfg: Any, estimator: str) -> dict:
             summary["eval_change"] = eval_change(summary["eval_before"], summary["eval_after"])
             print(describe_change(summary["eval_before"], summary["eval_after"],
                                   summary["eval_change"]), flush=True)  # fmt: skip
+            if "eval_base" in summary:
+                summary["eval_change_warm_start"] = eval_change(
+                    summary["eval_base"], summary["eval_before"]
+                )
+                print("the warm-start's part (" + describe_change(
+                    summary["eval_base"], summary["eval_before"],
+                    summary["eval_change_warm_start"]) + ")", flush=True)  # fmt: skip
             change = summary["eval_change"]["all"]
             logger.log(
                 {"eval/em_change": change["diff"], "eval/em_change_low": change["low"],
@@ -640,11 +657,73 @@ def train(cfg: Any, estimator: str) -> dict:
     return summary
 
 
+def _checked_demonstrations(cfg: Any, corpus: Any, questions: list[dict]) -> dict[str, str]:
+    """The corpus's titles by document id, once every training question's demonstration
+    is known to be writable (refused here, before Ray starts, when one is not)."""
+    from ray_credit.actors.retriever import Corpus
+    from ray_credit.warm_start import expert_turns
+
+    docs = Corpus.coerce(corpus)
+    titles = {i: c.partition("\n")[0] for i, c in zip(docs.ids, docs.contents, strict=True)}
+    for q in questions:
+        expert_turns(q, titles, cfg.generator)
+    return titles
+
+
+def _warm_start(
+    cfg: Any,
+    retriever: Any,
+    train_q: list[dict],
+    eval_q: list[dict],
+    titles: dict[str, str],
+    out: Path,
+    summary: dict,
+    logger: Any,
+) -> Any:
+    """Evaluate the base policy (``eval.before_warm_start``), fine-tune it on scripted
+    demonstrations of the training questions in a task with the learner's resources
+    (:func:`ray_credit.warm_start.warm_start`), and return ``cfg`` with ``model`` set to
+    the warm-started folder."""
+    import ray
+
+    from ray_credit.warm_start import warm_start
+
+    if cfg.eval.enabled and cfg.eval.before_warm_start:
+        summary["eval_base"] = _evaluate_policy(
+            cfg, retriever, None, eval_q, "before the warm-start"
+        )
+    res, ws = cfg.resources, cfg.warm_start
+    folder = ws.folder or str(out / "warm_start")
+    task = ray.remote(warm_start).options(
+        num_cpus=res.learner_cpus,
+        num_gpus=1 if res.use_gpu else 0,
+        resources=res.custom("learner"),
+    )
+    t0 = time.perf_counter()
+    manifest = ray.get(task.remote(
+        cfg.model, train_q, titles, retriever, cfg.generator, ws, folder,
+        device="cuda" if res.use_gpu else "cpu",
+    ))  # fmt: skip
+    m = manifest["metrics"]
+    print(
+        f"warm-start: {'reused ' + folder if manifest['reused'] else 'saved in ' + folder}; "
+        f"{m['warm_start/demonstrations']:.0f} demonstrations of {m['warm_start/questions']:.0f} "
+        f"questions ({m['warm_start/left_out_no_gold_seen']:.0f} left out: no gold answer seen), "
+        f"loss {m['warm_start/loss_first_epoch']:.3f} -> {m['warm_start/loss_last_epoch']:.3f} "
+        f"over {ws.epochs} epoch(s) ({time.perf_counter() - t0:.0f}s)",
+        flush=True,
+    )
+    summary["warm_start"] = {"folder": folder, "reused": manifest["reused"], **m}
+    logger.log(m, step=0)
+    return replace(cfg, model=folder)
+
+
 def _evaluate_policy(
     cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str
 ) -> dict:
-    """Exact match of a greedy generator on the learner's current weights; the generator
-    lives only for the evaluation, so it holds no resources while training."""
+    """Exact match of a greedy generator on the learner's current weights (no learner:
+    ``cfg.model``'s own); the generator lives only for the evaluation, so it holds no
+    resources while training."""
     import ray
 
     t0 = time.perf_counter()
@@ -657,7 +736,7 @@ def _evaluate_policy(
     (actor,) = make_generators(
         cfg.model, retriever, cfg, greedy, prefix=None, count=1, num_cpus=cfg.resources.eval_cpus
     )
-    version = learner.policy_version
+    version = learner.policy_version if learner is not None else 0
     if version > 0:
         ray.get(
             actor.update_weights.remote(version, learner.weights()), timeout=cfg.pipeline.timeout_s

@@ -1,0 +1,341 @@
+"""A supervised warm-start on demonstrations of the search protocol, before RL.
+
+A 135M policy that has never seen the protocol rarely finds a document with the answer
+in it, so most groups are all wrong and RL gets little signal. The warm-start shows it
+the protocol once:
+
+1. **Demonstrations.** A scripted expert plays each training question through the real
+   :class:`~ray_credit.actors.generator.Generator` loop: same prompt, same retriever,
+   same observation format and limits. Its turns search the title of each supporting
+   document in hop order, then answer the first gold answer. The ids trained on are
+   exactly the ids the generator fed, as in an RL batch. A demonstration whose
+   observations never held a gold answer (the retriever missed the document, or the
+   hops do not fit ``max_turns``) is left out: it would teach answering without
+   evidence. Kept and left-out counts are in the metrics.
+2. **Fine-tuning.** Mean token cross-entropy on the expert's tokens (``loss_mask``),
+   AdamW, linear decay, ``epochs`` passes; the policy is saved as a Hugging Face folder
+   that every actor of the run (generators, learner, reference, scorer, evaluation) then
+   loads as its model.
+
+It needs questions with ``supporting_doc_ids`` (the synthetic world has them; Search-R1's
+parquet files do not) and a corpus whose first line of each document is its title.
+Only training questions are demonstrated; the held-out ones never are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_credit.actors.sampling import SampledTurn, SamplingParams
+from ray_credit.batch import TrajectoryBatch
+
+__all__ = ["ScriptedSampler", "WarmStartConfig", "demonstrate", "expert_turns", "warm_start"]
+
+_MANIFEST = "warm_start.json"
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised fine-tuning on scripted demonstrations before RL (off by default)."""
+
+    enabled: bool = False
+    """Fine-tune the policy on demonstrations before RL; RL then starts from that policy."""
+    questions: int = 0
+    """Training questions to demonstrate (0: all of them)."""
+    epochs: int = 2
+    """Passes over the demonstrations."""
+    lr: float = 1e-4
+    """Peak AdamW learning rate (linear decay to 0 over the warm-start)."""
+    batch_size: int = 16
+    """Demonstrations per optimizer step."""
+    micro_batch_tokens: int = 4096
+    """Padded tokens per forward pass."""
+    autocast: str | None = None
+    """Mixed precision of the fine-tuning (as ``learner.autocast``: "bfloat16", "float16"
+    or None); the saved weights are float32 either way."""
+    seed: int = 0
+    """Order of the demonstrations and of the questions picked."""
+    folder: str | None = None
+    """Where the warm-started policy is saved (None: output_dir/name/warm_start). A folder
+    that already holds one made with the same settings is reused (a resumed run does);
+    one made with other settings is refused."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "micro_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warm_start.{name} must be >= 1, got {getattr(self, name)}")
+        if self.questions < 0:
+            raise ValueError(f"warm_start.questions must be >= 0 (0: all), got {self.questions}")
+        if self.autocast not in (None, "bfloat16", "float16"):
+            raise ValueError(
+                f"warm_start.autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}"
+            )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"warm_start.lr must be a positive finite number, got {self.lr}")
+
+
+# ----------------------------------------------------------------------- the expert
+def _action(kind: str, text: str, style: str) -> str:
+    if kind == "answer":
+        return f"<answer> {text} </answer>"
+    if style == "tool_call":
+        return (
+            f"<tool_call>{json.dumps({'name': 'search', 'arguments': {'query': text}})}</tool_call>"
+        )
+    return f"<search> {text} </search>"
+
+
+def expert_turns(question: Mapping[str, Any], titles: Mapping[str, str], gen: Any) -> list[str]:
+    """What the expert writes at each turn of ``question`` (the text after whatever prefix
+    the generator feeds that turn: ``response_prefix`` on turn 0, ``final_turn_prefix`` on
+    the last allowed one). It searches each supporting document's title, as many as fit
+    before the answer turn, then answers the first gold answer.
+
+    Raises ``ValueError`` when the question has no ``supporting_doc_ids``, a document id
+    is not in the corpus, or a prefix is not the start of the action the expert takes.
+    """
+    ids = question.get("supporting_doc_ids")
+    if not ids:
+        raise ValueError(
+            f"warm_start needs supporting_doc_ids to demonstrate a question, and "
+            f"{question.get('question', '')[:60]!r} has none (the synthetic world has them; "
+            "for other data, turn the warm-start off or add them)"
+        )
+    missing = [i for i in ids if str(i) not in titles]
+    if missing:
+        raise ValueError(f"supporting documents {missing} of a question are not in the corpus")
+    searches = [titles[str(i)] for i in ids][: gen.max_turns - 1]
+    actions = [("search", s) for s in searches] + [("answer", question["golden_answers"][0])]
+    turns = []
+    for turn, (kind, text) in enumerate(actions):
+        prefix = gen.response_prefix if turn == 0 else ""
+        if turn == gen.max_turns - 1:
+            prefix += gen.final_turn_prefix
+        action = _action(kind, text, gen.action_style)
+        if not action.startswith(prefix):
+            raise ValueError(
+                f"the warm-start's expert writes {action!r} at turn {turn}, but the generator "
+                f"feeds {prefix!r} before that turn; the demonstrations need prefixes that "
+                "begin an action (e.g. response_prefix '<search>', final_turn_prefix "
+                "'<answer>') or none"
+            )
+        turns.append(action[len(prefix) :])
+    return turns
+
+
+class ScriptedSampler:
+    """A :class:`~ray_credit.actors.sampling.Sampler` that writes given turns instead of
+    sampling: each context is recognised by the prompt it starts with (:meth:`add`), and
+    gets the next turn of that prompt's script (log-probs 0: nothing was sampled)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self._scripts: dict[tuple[int, ...], list[str]] = {}
+        self._next: dict[tuple[int, ...], int] = {}
+        self._lengths: list[int] = []
+
+    def add(self, prompt_ids: Sequence[int], turns: Sequence[str]) -> None:
+        """Script the turns written after ``prompt_ids``, one per :meth:`sample` call."""
+        key = tuple(prompt_ids)
+        if key in self._scripts:
+            raise ValueError("two scripts share a prompt (a question given twice?)")
+        self._scripts[key], self._next[key] = list(turns), 0
+        self._lengths = sorted({*self._lengths, len(key)})
+
+    def _key(self, context: Sequence[int]) -> tuple[int, ...]:
+        for n in self._lengths:
+            if tuple(context[:n]) in self._scripts:
+                return tuple(context[:n])
+        raise KeyError("a context starts with no scripted prompt")
+
+    def sample(
+        self, contexts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int
+    ) -> list[SampledTurn]:
+        out = []
+        for context in contexts:
+            key = self._key(context)
+            script, turn = self._scripts[key], self._next[key]
+            if turn >= len(script):
+                raise RuntimeError(f"a prompt's script has {len(script)} turns; turn {turn} asked")
+            self._next[key] += 1
+            ids = list(self.tokenizer(script[turn], add_special_tokens=False)["input_ids"])
+            hit = len(ids) > params.max_new_tokens
+            ids = ids[: params.max_new_tokens]
+            out.append(SampledTurn(ids, [0.0] * len(ids), hit))
+        return out
+
+    def load_weights(self, weights: Mapping[str, Any]) -> None:
+        raise TypeError("a ScriptedSampler has no weights")
+
+
+def demonstrate(
+    questions: Sequence[Mapping[str, Any]],
+    titles: Mapping[str, str],
+    tokenizer: Any,
+    retriever: Any,
+    gen: Any,
+) -> tuple[TrajectoryBatch, dict[str, float]]:
+    """One expert demonstration per question through the generator's loop (``gen``: its
+    :class:`~ray_credit.actors.generator.GeneratorConfig`), and the counts: the
+    demonstrations kept (a gold answer was in an observation, and the answer is right)
+    and those left out."""
+    from ray_credit.actors.generator import Generator
+
+    expert = ScriptedSampler(tokenizer)
+    generator = Generator(retriever=retriever, config=gen, sampler=expert, name="demo")
+    for q in questions:
+        expert.add(generator.prompt_ids(q["question"]), expert_turns(q, titles, gen))
+    batch = generator.generate(questions, group_size=1)
+    found = batch.turn_values("turn_contains_gold", null=False)
+    per_traj = np.logical_or.reduceat(found, batch.turn_offsets[:-1]) if len(found) else found
+    keep = per_traj & (batch.traj_values("outcome_reward") >= 1.0)
+    kept = batch.select(np.flatnonzero(keep))
+    counts = {
+        "warm_start/demonstrations": float(keep.sum()),
+        "warm_start/left_out_no_gold_seen": float((~per_traj).sum()),
+        "warm_start/left_out_wrong_answer": float((per_traj & ~keep).sum()),
+        "warm_start/expert_tokens": float(kept.token_values("loss_mask").sum()),
+        "warm_start/tokens": float(len(kept.token_values("loss_mask"))),
+    }
+    return kept, counts
+
+
+# ----------------------------------------------------------------------- fine-tuning
+def _fingerprint(settings: Mapping[str, Any]) -> str:
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(blob, digest_size=10).hexdigest()
+
+
+def _finetune(
+    model: Any, batch: TrajectoryBatch, cfg: WarmStartConfig, pad: int, device: str
+) -> dict:
+    """Token-mean cross-entropy on the expert's tokens; returns the loss per epoch."""
+    import torch
+
+    from ray_credit.actors.learner import autocast, micro_batches, token_logprobs, trained_span
+
+    tensors = batch.to_torch(pad_token_id=pad)
+    ids, attention = tensors["input_ids"], tensors["attention_mask"]
+    mask = tensors["loss_mask"][:, 1:]
+    lengths = attention.sum(-1)
+    n = len(batch)
+    steps_per_epoch = math.ceil(n / cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / total)
+    rng = np.random.default_rng(cfg.seed)
+    losses = []
+    for _ in range(cfg.epochs):
+        epoch_loss, epoch_tokens = 0.0, 0.0
+        order = rng.permutation(n)
+        for rows in np.array_split(order, steps_per_epoch):
+            tokens = float(mask[rows].sum())
+            optimizer.zero_grad(set_to_none=True)
+            for positions in micro_batches(lengths[rows].numpy(), cfg.micro_batch_tokens):
+                part = rows[positions]
+                width = int(lengths[part].max())
+                span = trained_span(mask[part], width)
+                with autocast(device, cfg.autocast):
+                    out = model(
+                        input_ids=ids[part, :width].to(device),
+                        attention_mask=attention[part, :width].to(device),
+                        logits_to_keep=width - span.start,
+                    )
+                target = ids[part, span.start + 1 : width].to(device)
+                nll = -token_logprobs(out.logits[:, :-1], target)
+                m = mask[part, span].to(device)
+                loss = (nll * m).sum() / max(tokens, 1.0)
+                loss.backward()
+                epoch_loss += float((nll.detach() * m).sum())
+            epoch_tokens += tokens
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+        losses.append(epoch_loss / max(epoch_tokens, 1.0))
+    return {"loss_per_epoch": losses, "optimizer_steps": total}
+
+
+def warm_start(
+    model: str,
+    questions: Sequence[Mapping[str, Any]],
+    titles: Mapping[str, str],
+    retriever: Any,
+    gen: Any,
+    cfg: WarmStartConfig,
+    folder: str,
+    *,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Demonstrate ``questions``, fine-tune ``model`` on them and save it in ``folder``
+    (a Hugging Face folder, with ``warm_start.json``: the settings' fingerprint and the
+    metrics). A folder already holding a warm start of the same settings is reused as it
+    is; one of other settings raises. Returns the manifest."""
+    from ray_credit.models import load_model
+
+    made_with = {k: v for k, v in asdict(cfg).items() if k != "folder"}  # where is not how
+    settings = {"model": model, "warm_start": made_with, "generator": asdict(gen),
+                "questions": [q["question"] for q in questions]}  # fmt: skip
+    fingerprint = _fingerprint(settings)
+    path = Path(folder)
+    manifest_path = path / _MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"{path} holds a warm-started policy made with other settings (model, "
+                "warm_start, generator or questions); delete it or set warm_start.folder"
+            )
+        return {**manifest, "reused": True}
+    if path.exists() and any(path.iterdir()):
+        raise ValueError(
+            f"{path} exists and holds no warm start (no {_MANIFEST}); empty it or set "
+            "warm_start.folder to a new folder"
+        )
+    start = time.perf_counter()
+    chosen = list(questions)
+    if cfg.questions and cfg.questions < len(chosen):
+        pick = np.random.default_rng(cfg.seed).choice(len(chosen), cfg.questions, replace=False)
+        chosen = [chosen[i] for i in sorted(pick)]
+    policy, tokenizer = load_model(model, device=device)
+    demos, counts = demonstrate(chosen, titles, tokenizer, retriever, gen)
+    if len(demos) == 0:
+        raise RuntimeError(
+            f"none of the {len(chosen)} demonstrations saw a gold answer in its observations "
+            "(check the retriever, topk and max_turns)"
+        )
+    made = time.perf_counter()
+    result = _finetune(policy, demos, cfg, int(tokenizer.pad_token_id), device)
+    tmp = path.with_name(path.name + ".partial")  # ours alone: an interrupted save's
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    manifest = {
+        "fingerprint": fingerprint,
+        "metrics": {
+            **counts,
+            "warm_start/questions": float(len(chosen)),
+            "warm_start/loss_first_epoch": result["loss_per_epoch"][0],
+            "warm_start/loss_last_epoch": result["loss_per_epoch"][-1],
+            "warm_start/optimizer_steps": float(result["optimizer_steps"]),
+            "warm_start/demonstrate_seconds": made - start,
+            "warm_start/train_seconds": time.perf_counter() - made,
+        },
+        "loss_per_epoch": result["loss_per_epoch"],
+    }
+    (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2))
+    if path.exists():
+        path.rmdir()  # empty (checked above)
+    tmp.rename(path)  # a folder with a manifest is whole: a crash before here leaves none
+    return {**manifest, "reused": False}

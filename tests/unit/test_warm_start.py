@@ -1,0 +1,169 @@
+"""The warm-start: the scripted expert's turns, its demonstrations through the real
+generator loop, and the fine-tuning that saves a loadable policy."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from ray_credit.actors.generator import Generator, GeneratorConfig  # noqa: E402
+from ray_credit.models import load_model, load_tokenizer  # noqa: E402
+from ray_credit.warm_start import (  # noqa: E402
+    ScriptedSampler,
+    WarmStartConfig,
+    demonstrate,
+    expert_turns,
+    warm_start,
+)
+
+DOCS = {
+    "d1": "Velmora\nVelmora was founded by Ada Quill in 1873.",
+    "d2": "Ada Quill\nAda Quill was born in Tarsk.",
+    "d3": "Tarsk\nTarsk is a port city on the Orle river.",
+}
+TITLES = {k: v.partition("\n")[0] for k, v in DOCS.items()}
+ONE_HOP = {"question": "Who founded Velmora?", "golden_answers": ["Ada Quill"],
+           "supporting_doc_ids": ["d1"]}  # fmt: skip
+TWO_HOP = {"question": "Where was the founder of Velmora born?", "golden_answers": ["Tarsk"],
+           "supporting_doc_ids": ["d1", "d2"]}  # fmt: skip
+# the retriever below cannot find d3, so this question's demonstration never sees its gold
+UNFINDABLE = {"question": "On which river is Tarsk?", "golden_answers": ["Orle"],
+              "supporting_doc_ids": ["d3"]}  # fmt: skip
+
+GEN = GeneratorConfig(
+    group_size=1, max_turns=3, max_new_tokens=24, topk=1, prompt_template="search_brief",
+    response_prefix="<search>", final_turn_prefix="<answer>",
+)  # fmt: skip
+
+
+class TitleRetriever:
+    """Finds a document when the query is its title; d3 is never found (the second document
+    is returned instead)."""
+
+    def search(self, queries, topk):
+        by_title = {t: k for k, t in TITLES.items() if k != "d3"}
+        out = []
+        for q in queries:
+            key = by_title.get(q, "d2")
+            out.append([{"id": key, "contents": DOCS[key], "score": 1.0}][:topk])
+        return out
+
+
+def test_expert_searches_each_hop_then_answers_after_the_prefixes():
+    assert expert_turns(ONE_HOP, TITLES, GEN) == [
+        " Velmora </search>",
+        "<answer> Ada Quill </answer>",
+    ]
+    assert expert_turns(TWO_HOP, TITLES, GEN) == [
+        " Velmora </search>", "<search> Ada Quill </search>", " Tarsk </answer>"
+    ]  # fmt: skip
+    # two turns leave room for one search: the answer turn comes after the first hop
+    two = GeneratorConfig(**{**GEN.__dict__, "max_turns": 2})
+    assert expert_turns(TWO_HOP, TITLES, two) == [" Velmora </search>", " Tarsk </answer>"]
+    plain = GeneratorConfig(**{**GEN.__dict__, "response_prefix": "", "final_turn_prefix": ""})
+    assert expert_turns(ONE_HOP, TITLES, plain)[0] == "<search> Velmora </search>"
+    tool = GeneratorConfig(**{**plain.__dict__, "action_style": "tool_call"})
+    assert json.loads(expert_turns(ONE_HOP, TITLES, tool)[0][len("<tool_call>"):-len("</tool_call>")]) == {
+        "name": "search", "arguments": {"query": "Velmora"}
+    }  # fmt: skip
+
+
+def test_expert_refuses_what_it_cannot_demonstrate():
+    with pytest.raises(ValueError, match="supporting_doc_ids"):
+        expert_turns({"question": "Who?", "golden_answers": ["x"]}, TITLES, GEN)
+    with pytest.raises(ValueError, match="not in the corpus"):
+        expert_turns({**ONE_HOP, "supporting_doc_ids": ["d9"]}, TITLES, GEN)
+    think = GeneratorConfig(**{**GEN.__dict__, "response_prefix": "<think>"})
+    with pytest.raises(ValueError, match="<think>"):
+        expert_turns(ONE_HOP, TITLES, think)
+
+
+def test_demonstrations_are_generator_rollouts_of_the_script():
+    tokenizer = load_tokenizer("tiny-random")
+    batch, counts = demonstrate(
+        [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, tokenizer, TitleRetriever(), GEN
+    )
+    assert counts["warm_start/demonstrations"] == 2
+    assert counts["warm_start/left_out_no_gold_seen"] == 1
+    assert batch.column("question").to_pylist() == [ONE_HOP["question"], TWO_HOP["question"]]
+    assert batch.traj_values("outcome_reward").tolist() == [1.0, 1.0]
+    records = batch.to_records()
+    assert [t["action"] for t in records[1]["turns"]] == ["search", "search", "answer"]
+    assert [t["query"] for t in records[1]["turns"][:2]] == ["Velmora", "Ada Quill"]
+    # the ids are the prompt the policy gets, then exactly the expert's ids (trained) and
+    # the environment's (not trained), as the generator lays out an RL rollout
+    gen = Generator(retriever=TitleRetriever(), config=GEN, sampler=ScriptedSampler(tokenizer))
+    prompt = gen.prompt_ids(ONE_HOP["question"])
+    ids, mask = records[0]["input_ids"], np.array(records[0]["loss_mask"])
+    assert ids[: len(prompt)] == prompt
+    expert = tokenizer(" Velmora </search>", add_special_tokens=False)["input_ids"]
+    assert ids[len(prompt) : len(prompt) + len(expert)] == expert
+    assert mask[: len(prompt)].sum() == 0 and mask[len(prompt) : len(prompt) + len(expert)].all()
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    answer = tokenizer("<answer> Ada Quill </answer>", add_special_tokens=False)["input_ids"]
+    assert trained == expert + answer
+    assert (
+        counts["warm_start/expert_tokens"] == mask.sum() + np.array(records[1]["loss_mask"]).sum()
+    )
+
+
+def test_scripted_sampler_refuses_unknown_prompts_and_extra_turns():
+    tokenizer = load_tokenizer("tiny-random")
+    sampler = ScriptedSampler(tokenizer)
+    sampler.add([1, 2, 3], ["a"])
+    with pytest.raises(ValueError, match="share a prompt"):
+        sampler.add([1, 2, 3], ["b"])
+    from ray_credit.actors.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=8)
+    assert (
+        sampler.sample([[1, 2, 3, 9]], params, seed=0)[0].token_ids
+        == tokenizer("a", add_special_tokens=False)["input_ids"]
+    )
+    with pytest.raises(RuntimeError, match="1 turns"):
+        sampler.sample([[1, 2, 3, 9, 9]], params, seed=0)
+    with pytest.raises(KeyError, match="no scripted prompt"):
+        sampler.sample([[7, 7]], params, seed=0)
+
+
+def test_warm_start_trains_saves_a_loadable_policy_and_is_reused(tmp_path):
+    cfg = WarmStartConfig(enabled=True, epochs=4, lr=3e-3, batch_size=2)
+    folder = tmp_path / "ws"
+    made = warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
+                      GEN, cfg, str(folder))  # fmt: skip
+    m = made["metrics"]
+    assert not made["reused"] and m["warm_start/demonstrations"] == 2
+    assert m["warm_start/optimizer_steps"] == 4  # one step of 2 per epoch
+    assert m["warm_start/loss_last_epoch"] < m["warm_start/loss_first_epoch"]
+    policy, _ = load_model(str(folder))
+    base, _ = load_model("tiny-random")
+    changed = [
+        k for k, v in base.state_dict().items() if not torch.equal(v, policy.state_dict()[k])
+    ]
+    assert changed, "the saved policy is the base model"
+    again = warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
+                       GEN, cfg, str(folder))  # fmt: skip
+    assert again["reused"] and again["fingerprint"] == made["fingerprint"]
+    with pytest.raises(ValueError, match="other settings"):
+        warm_start("tiny-random", [ONE_HOP], TITLES, TitleRetriever(), GEN, cfg, str(folder))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    with pytest.raises(ValueError, match="holds no warm start"):
+        warm_start(
+            "tiny-random", [ONE_HOP], TITLES, TitleRetriever(), GEN, cfg, str(tmp_path / "mine")
+        )
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "a user's file"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("epochs", 0), ("batch_size", 0), ("questions", -1), ("lr", 0.0), ("autocast", "int8")],
+)
+def test_warm_start_config_refuses_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        WarmStartConfig(**{field: value})
