@@ -97,6 +97,8 @@ def main() -> None:
         "--pipeline.groups_per_step": 2,
         "--resources.learner_cpus": 1,
         "--resources.eval_cpus": 1,
+        # the embedded warm-start fine-tunes SmolLM2 for minutes first; not what this shows
+        "--warm_start.enabled": "false",
     }
     argv = [str(x) for item in flags.items() for x in item]
     cfg = load_config(

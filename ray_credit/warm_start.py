@@ -42,6 +42,13 @@ from ray_credit.batch import TrajectoryBatch
 __all__ = ["ScriptedSampler", "WarmStartConfig", "demonstrate", "expert_turns", "warm_start"]
 
 _MANIFEST = "warm_start.json"
+# The generator settings that shape a demonstration (sampling settings do not: the expert
+# does not sample); a warm start made under other values of these is not reused.
+_PROTOCOL_FIELDS = (
+    "prompt_template", "system_prompt", "response_prefix", "final_turn_prefix",
+    "action_style", "max_turns", "max_new_tokens", "max_observation_tokens",
+    "max_context_tokens", "topk",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -284,7 +291,8 @@ def warm_start(
     from ray_credit.models import load_model
 
     made_with = {k: v for k, v in asdict(cfg).items() if k != "folder"}  # where is not how
-    settings = {"model": model, "warm_start": made_with, "generator": asdict(gen),
+    protocol = {k: getattr(gen, k) for k in _PROTOCOL_FIELDS}
+    settings = {"model": model, "warm_start": made_with, "generator": protocol,
                 "questions": [q["question"] for q in questions]}  # fmt: skip
     fingerprint = _fingerprint(settings)
     path = Path(folder)

@@ -586,6 +586,7 @@ def train(cfg: Any, estimator: str) -> dict:
     # The warm-start: every actor below then loads the warm-started policy as its model.
     if cfg.warm_start.enabled:
         cfg = _warm_start(cfg, retriever, train_q, eval_q, titles, out, summary, logger)
+    summary["policy"] = cfg.model  # what every actor below loads
     judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
     scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
     train_q = with_reference_plans(plan, judges, train_q, out / "reference_plans.jsonl")

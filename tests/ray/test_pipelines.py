@@ -74,6 +74,11 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["groups_trained"] == 4
     assert 0 <= summary["eval_before"]["em"] <= 1 and "em_by_source" in summary["eval_after"]
+    # the embedded warm-start ran first, and its policy is what the generators loaded
+    assert (
+        "warm-start: saved in" in stdout and summary["warm_start"]["warm_start/demonstrations"] > 0
+    )
+    assert summary["policy"] == str(out / "warm_start")
     assert "held-out EM, paired on the same questions" in stdout
     assert summary["eval_change"]["all"]["n"] == 4  # the same 4 questions, before and after
     assert (out / "plot.png").stat().st_size > 1000
@@ -85,7 +90,8 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
         assert key in rows[-1]
 
     args = [*SMALL, "--output_dir", str(tmp_path), "--pipeline.steps", "3", "--wandb", "disabled"]
-    run("tspo.py", [*args, "--resume", str(out / "checkpoint")], ray_cluster)
+    stdout = run("tspo.py", [*args, "--resume", str(out / "checkpoint")], ray_cluster)
+    assert "warm-start: reused" in stdout  # the resumed learner's weights sit on the same base
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["groups_trained"] == 6  # none lost, none twice
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -149,6 +149,14 @@ def test_warm_start_trains_saves_a_loadable_policy_and_is_reused(tmp_path):
     again = warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
                        GEN, cfg, str(folder))  # fmt: skip
     assert again["reused"] and again["fingerprint"] == made["fingerprint"]
+    # sampling settings do not shape a demonstration: still the same warm start
+    sampling = GeneratorConfig(**{**GEN.__dict__, "group_size": 8, "temperature": 0.7})
+    assert warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
+                      sampling, cfg, str(folder))["reused"]  # fmt: skip
+    with pytest.raises(ValueError, match="other settings"):  # the protocol does
+        topk = GeneratorConfig(**{**GEN.__dict__, "topk": 2})
+        warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
+                   topk, cfg, str(folder))  # fmt: skip
     with pytest.raises(ValueError, match="other settings"):
         warm_start("tiny-random", [ONE_HOP], TITLES, TitleRetriever(), GEN, cfg, str(folder))
     (tmp_path / "mine").mkdir()

@@ -1,0 +1,115 @@
+"""Learner throughput: one policy update on search-agent trajectories, three ways.
+
+    python bench/learner.py                       # SmolLM2-135M, 32 trajectories
+    python bench/learner.py --model tiny-random   # seconds, for a smoke test
+
+The batch is real: a scripted expert's rollouts of the synthetic world's questions through
+the generator (the warm-start's demonstrations: prompt, turns, one retrieved document per
+search), with random non-zero advantages on every turn. The same update is timed with
+
+* ``float32, every position``: the vocabulary projection of every position (what the
+  learner did before it kept only the trained span);
+* ``float32, trained span``: the projection only from the first trained token on;
+* ``bf16 autocast, trained span``: ``learner.autocast="bfloat16"`` on top.
+
+Reports padded and real tokens per second of each (median of ``--repeats`` updates after
+one warm-up) and the ratios to the first, measured in one run; JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def demonstrations(model: str, count: int):
+    from ray_credit.actors.generator import GeneratorConfig
+    from ray_credit.actors.retriever import Retriever
+    from ray_credit.data import WorldConfig
+    from ray_credit.models import load_tokenizer
+    from ray_credit.pipeline.recipe import DataConfig, load_data
+    from ray_credit.warm_start import demonstrate
+
+    corpus, train_q, _ = load_data(DataConfig(world=WorldConfig(num_entities=60)), seed=0)
+    titles = {str(d["id"]): d["contents"].partition("\n")[0] for d in corpus}
+    gen = GeneratorConfig(
+        group_size=1, max_turns=3, max_new_tokens=32, topk=1, prompt_template="search_brief",
+        response_prefix="<search>", final_turn_prefix="<answer>", max_context_tokens=2048,
+    )  # fmt: skip
+    batch, _ = demonstrate(
+        train_q[:count], titles, load_tokenizer(model), Retriever.create(corpus), gen
+    )
+    advantages = np.random.default_rng(0).normal(size=batch.num_turns).astype(np.float32)
+    return batch.with_turn_columns({"turn_advantages": advantages})
+
+
+def time_updates(model: str, batch, *, autocast: str | None, every_position: bool, repeats: int):
+    import ray_credit.actors.learner as learner_module
+    from ray_credit.actors.learner import Learner, LearnerConfig
+    from ray_credit.models import load_model
+
+    span = learner_module.trained_span
+    if every_position:
+        learner_module.trained_span = lambda mask, width: slice(0, width - 1)
+    try:
+        config = LearnerConfig(lr=1e-6, autocast=autocast, micro_batch_tokens=4096)
+        learner = Learner(load_model(model), config)
+        seconds = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            learner.train(batch)
+            if i:  # the first update warms up allocators and kernels
+                seconds.append(time.perf_counter() - start)
+    finally:
+        learner_module.trained_span = span
+    return statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--trajectories", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learner.json")
+    args = parser.parse_args()
+
+    batch = demonstrations(args.model, args.trajectories)
+    lengths = np.diff(batch.token_offsets)
+    padded, real = len(batch) * int(lengths.max()), int(lengths.sum())
+    print(f"{len(batch)} trajectories, {real} tokens ({padded} padded to the longest), "
+          f"{int(batch.token_values('loss_mask').sum())} trained")  # fmt: skip
+    cases = {
+        "float32, every position": (None, True),
+        "float32, trained span": (None, False),
+        "bf16 autocast, trained span": ("bfloat16", False),
+    }
+    results = {}
+    for name, (autocast, every) in cases.items():
+        s = time_updates(
+            args.model, batch, autocast=autocast, every_position=every, repeats=args.repeats
+        )
+        results[name] = {
+            "seconds": s,
+            "real_tokens_per_s": real / s,
+            "padded_tokens_per_s": padded / s,
+        }
+    base = results["float32, every position"]["seconds"]
+    for name, r in results.items():
+        r["speedup"] = base / r["seconds"]
+        print(
+            f"{name:<30} {r['seconds']:6.2f} s  {r['real_tokens_per_s']:6.0f} tokens/s  {r['speedup']:.2f}x"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "trajectories": len(batch),
+                                    "tokens": real, "results": results}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
