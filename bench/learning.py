@@ -110,6 +110,8 @@ def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict
     argv = [
         "--name", f"{method}-seed{seed}", "--output_dir", str(runs_dir), "--wandb", "disabled",
         "--pipeline.seed", str(seed), "--generator.seed", str(seed), "--learner.seed", str(seed),
+        # one warm-start per seed (the seed picks the held-out split), shared by the methods
+        "--warm_start.folder", str(runs_dir / f"warm_start-seed{seed}"),
     ]  # fmt: skip
     for item in settings:
         key, value = item.split("=", 1)

@@ -24,6 +24,8 @@ def test_learning_bench_quick(ray_cluster, tmp_path):
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    # the methods of a seed start from one warm-start: made by the first, reused by the next
+    assert out.stdout.count("warm-start: saved in") == 1 and "warm-start: reused" in out.stdout
     report = json.loads((tmp_path / "learning.json").read_text())
     assert set(report["methods"]) == {"grpo", "tspo"} and report["seeds"] == [0]
     for method in ("grpo", "tspo"):
