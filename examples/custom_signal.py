@@ -146,7 +146,7 @@ def train_with_it(steps: int, judge: str) -> None:
         "--output_dir", tempfile.mkdtemp(prefix="custom_signal_"),
         "--data.eval_questions", "4", "--pipeline.steps", str(steps),
         "--pipeline.groups_per_step", "2", "--resources.learner_cpus", "1",
-        "--resources.eval_cpus", "1", "--eval.enabled", "false",
+        "--resources.eval_cpus", "1", "--eval.enabled", "false", "--generator.group_size", "4",
     ]  # fmt: skip
     if judge == "hf":
         argv += ["--judge.backend", "hf", "--judge.model", "tiny-random"]
