@@ -32,14 +32,14 @@ def retriever(ray_cluster, world):
     return make_retriever_actor(world.corpus, num_cpus=0.25)
 
 
-def _parts(retriever, n_generators=2, resume_from=None):
+def _parts(retriever, n_generators=2, resume_from=None, learner_config=None):
     generators = [
         make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25)
         for _ in range(n_generators)
     ]
     learner = LearnerGroup(
         "tiny-random",
-        LearnerConfig(lr=1e-3),
+        learner_config or LearnerConfig(lr=1e-3),
         resume_from=None if resume_from is None else f"{resume_from}/learner",
     )
     return generators, learner
@@ -235,7 +235,11 @@ def test_driver_holds_refs_only_and_stages_stream(
     import ray_credit.batch as batch_module
     from ray_credit.pipeline import actor_stage
 
-    generators, learner = _parts(retriever)
+    # tiny-random's rewards are all 0, so GRPO's advantages are too: an entropy term keeps
+    # the learner's passes (and the time they overlap with stages) instead of its
+    # zero-gradient shortcut
+    learning = LearnerConfig(lr=1e-3, entropy_coef=1e-3)
+    generators, learner = _parts(retriever, learner_config=learning)
     slow = ray_cluster.remote(SlowStage).options(num_cpus=0, max_concurrency=4).remote(0.3)
     stages = [actor_stage(slow.run, name="slow"), estimator_stage("grpo")]
     config = PipelineConfig(
@@ -257,7 +261,7 @@ def test_driver_holds_refs_only_and_stages_stream(
     assert sum(m["time/stages_hidden_s"] for m in history[1:]) > 0
     learner.shutdown()
 
-    generators, learner = _parts(retriever, resume_from=tmp_path / "ckpt")
+    generators, learner = _parts(retriever, resume_from=tmp_path / "ckpt", learner_config=learning)
     resumed = Pipeline(
         generators,
         learner,
