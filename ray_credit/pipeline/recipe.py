@@ -659,8 +659,9 @@ def train(cfg: Any, estimator: str) -> dict:
 
 
 def _checked_demonstrations(cfg: Any, corpus: Any, questions: list[dict]) -> dict[str, str]:
-    """The corpus's titles by document id, once every training question's demonstration
-    is known to be writable (refused here, before Ray starts, when one is not)."""
+    """The titles of the documents the training questions' demonstrations search, by id,
+    once every demonstration is known to be writable (refused here, before Ray starts,
+    when one is not)."""
     from ray_credit.actors.retriever import Corpus
     from ray_credit.warm_start import expert_turns
 
@@ -668,7 +669,8 @@ def _checked_demonstrations(cfg: Any, corpus: Any, questions: list[dict]) -> dic
     titles = {i: c.partition("\n")[0] for i, c in zip(docs.ids, docs.contents, strict=True)}
     for q in questions:
         expert_turns(q, titles, cfg.generator)
-    return titles
+    needed = {str(i) for q in questions for i in q["supporting_doc_ids"]}
+    return {i: titles[i] for i in needed}  # a large corpus's titles stay here
 
 
 def _warm_start(
