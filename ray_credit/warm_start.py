@@ -162,8 +162,9 @@ class ScriptedSampler:
 
     def _key(self, context: Sequence[int]) -> tuple[int, ...]:
         for n in self._lengths:
-            if tuple(context[:n]) in self._scripts:
-                return tuple(context[:n])
+            key = tuple(context[:n])
+            if key in self._scripts:
+                return key
         raise KeyError("a context starts with no scripted prompt")
 
     def sample(
