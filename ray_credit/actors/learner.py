@@ -236,6 +236,7 @@ class Learner:
             "learner/nonfinite_grad_steps": 0,
             "learner/batches": 0,
             "learner/zero_gradient_batches": 0,
+            "learner/zero_advantage_trajectories": 0,
         }
         self._rng = np.random.default_rng(self.config.seed)
         self._weight_group = None  # set by open_weight_group (broadcast weight sync)
@@ -337,11 +338,16 @@ class Learner:
                 rows[self.world.rank :: self.world.size]
                 for rows in np.array_split(order, self.config.mini_batches)
             ]
-        needed = np.unique(np.concatenate(schedule))
-        if self._gradient_is_zero(data):
-            # every advantage is 0 and no KL or entropy term: the loss's gradient is exactly
-            # zero, so the passes are skipped and the optimizer steps on zero gradients (as
-            # it would after them: AdamW's momentum and weight decay still move weights)
+        # A trajectory whose advantages are all 0 adds exactly 0 to the gradient when there
+        # is no KL or entropy term: it keeps its place in the loss's normalizer (the token
+        # weights) but is left out of the passes. The update is the same, minus the work.
+        live = self._rows_with_gradient(data)
+        self.counters["learner/zero_advantage_trajectories"] += int(n - live.sum())
+        needed = np.intersect1d(np.concatenate(schedule), np.flatnonzero(live))
+        if not live.any():
+            # the loss's gradient is exactly zero: the passes are skipped and the optimizer
+            # steps on zero gradients (as it would after them: AdamW's momentum and weight
+            # decay still move weights)
             self.counters["learner/zero_gradient_batches"] += 1
             return self._finish(self._zero_steps(len(schedule)), tensors, n, start, len(schedule))
         if self.config.off_policy != "none":
@@ -351,18 +357,20 @@ class Learner:
 
         totals: dict[str, float] = {}
         for rows in schedule:
-            step_metrics = self._optimizer_step(data, lengths, torch.as_tensor(rows))
+            step_metrics = self._optimizer_step(data, lengths, torch.as_tensor(rows), live[rows])
             for key, value in step_metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         steps = self.config.epochs * self.config.mini_batches
         return self._finish({k: v / steps for k, v in totals.items()}, tensors, n, start, steps)
 
-    def _gradient_is_zero(self, data: dict) -> bool:
-        return (
-            self.config.kl_coef == 0
-            and self.config.entropy_coef == 0
-            and not bool((data["advantages"] * data["mask"]).any())
-        )
+    def _rows_with_gradient(self, data: dict) -> np.ndarray:
+        """Which trajectories can add to the gradient: all of them under a KL or entropy
+        term, else those with a non-zero advantage on a trained token (with ``A = 0`` every
+        form of the clipped surrogate, at token or turn level, is 0 with gradient 0)."""
+        n = len(data["advantages"])
+        if self.config.kl_coef != 0 or self.config.entropy_coef != 0:
+            return np.ones(n, dtype=bool)
+        return (data["advantages"] * data["mask"]).ne(0).any(-1).numpy()
 
     def _zero_steps(self, count: int) -> dict[str, float]:
         """``count`` optimizer steps on zero gradients; the step's loss metrics are 0."""
@@ -397,7 +405,11 @@ class Learner:
         )
         return metrics
 
-    def _optimizer_step(self, data: dict, lengths, rows) -> dict[str, float]:
+    def _optimizer_step(self, data: dict, lengths, rows, live: np.ndarray) -> dict[str, float]:
+        """One optimizer step on the mini-batch ``rows``; only the ``live`` ones (see
+        :meth:`_rows_with_gradient`) go through the model, and the token metrics
+        (entropy, clip fraction, ratios) are theirs. A rank with no live row runs one
+        zeroed pass, for the collectives and for AdamW to see a zero gradient."""
         import torch
 
         from ray_credit.losses import entropy_from_logits, kl_penalty, policy_loss_per_token
@@ -406,11 +418,18 @@ class Learner:
         mask = data["mask"][rows]
         turn_level = config.loss.ratio_level == "turn"
         weights = self._token_weights(mask)  # (R, L-1): agg_mode over the global mini-batch
+        positions = np.flatnonzero(live)
+        idle = len(positions) == 0
+        if idle:
+            positions = np.zeros(1, dtype=np.int64)
         self.optimizer.zero_grad(set_to_none=True)
         sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "clipfrac", "approx_kl")}
         sums.update(ratio_mean=0.0, ratio_max=0.0, is_weight_mean=0.0, is_limited=0.0)
         token_count = 0.0
-        micro = self._passes(lengths[rows])
+        micro = [
+            (positions[part], dummy or idle)
+            for part, dummy in self._passes(lengths[rows[positions]])
+        ]
         count = len(micro)
         for i, (part, dummy) in enumerate(micro):
             index = rows[part]

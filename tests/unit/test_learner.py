@@ -311,17 +311,60 @@ def test_autocast_trains_float32_weights_near_the_float32_update(batch):
 def test_zero_advantages_skip_the_passes_but_not_the_optimizer_step(batch, monkeypatch):
     """All advantages 0, no KL or entropy: the update equals the full passes' (AdamW still
     steps on the zero gradient), without running them; it is counted."""
-    zero = batch.with_turn_columns(
-        {"turn_advantages": np.zeros(batch.num_turns, dtype=np.float32)}
-    )
+    zero = batch.with_turn_columns({"turn_advantages": np.zeros(batch.num_turns, dtype=np.float32)})
     config = LearnerConfig(lr=1e-3, weight_decay=0.1)
     warmed, full = _learner(config), _learner(config)
     for learner in (warmed, full):  # momentum from a real step first
         learner.train(batch)
     metrics = warmed.train(zero)
-    monkeypatch.setattr(Learner, "_gradient_is_zero", lambda self, data: False)
+    every_row = lambda self, data: np.ones(len(data["advantages"]), dtype=bool)  # noqa: E731
+    monkeypatch.setattr(Learner, "_rows_with_gradient", every_row)
     full.train(zero)
     assert metrics["learner/zero_gradient_batches"] == 1
     assert metrics["learner/optimizer_steps"] == 2 and metrics["learner/grad_norm"] == 0
     assert _max_diff(_weights(warmed), _weights(full)) < 1e-6
     assert _max_diff(_weights(warmed), _weights(_learner(config))) > 0  # it did move
+
+
+@pytest.mark.parametrize(("mode", "mini_batches"), [("token-mean", 1), ("seq-mean-token-mean", 2)])
+def test_zero_advantage_trajectories_skip_the_passes_but_keep_their_weight(
+    batch, monkeypatch, mode, mini_batches
+):
+    """Trajectories whose advantages are all 0 are left out of the passes; the update is
+    that of the full passes (they still count in the loss's normalizer), and the skipped
+    trajectories are counted. With an entropy term every trajectory goes through."""
+    turns = batch.turn_traj_index
+    advantages = batch.turn_values("turn_advantages").copy()
+    advantages[np.isin(turns, [0, 2, 3])] = 0.0  # 3 of 6 trajectories carry no advantage
+    mixed = batch.with_turn_columns({"turn_advantages": advantages})
+    config = LearnerConfig(
+        lr=1e-3, loss=PolicyLossConfig(agg_mode=mode), mini_batches=mini_batches, shuffle=False
+    )
+    skipping, full = (
+        GradRecorder(load_model("tiny-random"), config),
+        GradRecorder(load_model("tiny-random"), config),
+    )
+    seen = []
+    real_logits = Learner._logits
+    monkeypatch.setattr(
+        Learner,
+        "_logits",
+        lambda self, m, d, index, sl: seen.append(len(index)) or real_logits(self, m, d, index, sl),
+    )
+    metrics = skipping.train(mixed)
+    assert sum(seen) == 3  # only the trajectories with an advantage went through
+    assert metrics["learner/zero_advantage_trajectories"] == 3
+    every_row = lambda self, data: np.ones(len(data["advantages"]), dtype=bool)  # noqa: E731
+    monkeypatch.setattr(Learner, "_rows_with_gradient", every_row)
+    seen.clear()
+    full.train(mixed)
+    assert sum(seen) == 6
+    for name, grad in full.grads.items():
+        torch.testing.assert_close(skipping.grads[name], grad, rtol=1e-5, atol=1e-7)
+    # AdamW divides by sqrt(v): float rounding of near-zero gradients shows at ~1e-3 of lr
+    assert _max_diff(_weights(skipping), _weights(full)) < 1e-5
+
+    entropic = _learner(LearnerConfig(lr=1e-3, entropy_coef=1e-3))
+    assert entropic._rows_with_gradient(
+        {"advantages": torch.zeros(4, 3), "mask": torch.ones(4, 3)}
+    ).all()
