@@ -1,16 +1,19 @@
-"""Learner throughput: one policy update on search-agent trajectories, three ways.
+"""Learner throughput: one policy update on search-agent trajectories, four ways.
 
-    python bench/learner.py                       # SmolLM2-135M, 32 trajectories
+    python bench/learner.py                       # SmolLM2-135M, 4 questions x G=8
     python bench/learner.py --model tiny-random   # seconds, for a smoke test
 
 The batch is real: a scripted expert's rollouts of the synthetic world's questions through
 the generator (the warm-start's demonstrations: prompt, turns, one retrieved document per
-search), with random non-zero advantages on every turn. The same update is timed with
+search), each repeated ``--group_size`` times as a GRPO group's rows share their prompt,
+with random non-zero advantages on every turn. The same update is timed with
 
 * ``float32, every position``: the vocabulary projection of every position (what the
   learner did before it kept only the trained span);
 * ``float32, trained span``: the projection only from the first trained token on;
-* ``bf16 autocast, trained span``: ``learner.autocast="bfloat16"`` on top.
+* ``bf16 autocast, trained span``: ``learner.autocast="bfloat16"`` on top;
+* ``+ shared prompt``: ``learner.share_prefix`` on top (the default): each micro-batch's
+  common prefix through the model once (the three above run every row whole).
 
 Reports padded and real tokens per second of each (median of ``--repeats`` updates after
 one warm-up) and the ratios to the first, measured in one run; JSON to ``--out``.
@@ -29,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def demonstrations(model: str, count: int):
+def demonstrations(model: str, count: int, group_size: int):
     from ray_credit.actors.generator import GeneratorConfig
     from ray_credit.actors.retriever import Retriever
     from ray_credit.data import WorldConfig
@@ -46,11 +49,16 @@ def demonstrations(model: str, count: int):
     batch, _ = demonstrate(
         train_q[:count], titles, load_tokenizer(model), Retriever.create(corpus), gen
     )
+    from ray_credit.batch import TrajectoryBatch
+
+    batch = TrajectoryBatch.concat([batch.select([i] * group_size) for i in range(len(batch))])
     advantages = np.random.default_rng(0).normal(size=batch.num_turns).astype(np.float32)
     return batch.with_turn_columns({"turn_advantages": advantages})
 
 
-def time_updates(model: str, batch, *, autocast: str | None, every_position: bool, repeats: int):
+def time_updates(
+    model: str, batch, *, autocast: str | None, every_position: bool, share: bool, repeats: int
+):
     import ray_credit.actors.learner as learner_module
     from ray_credit.actors.learner import Learner, LearnerConfig
     from ray_credit.models import load_model
@@ -59,7 +67,9 @@ def time_updates(model: str, batch, *, autocast: str | None, every_position: boo
     if every_position:
         learner_module.trained_span = lambda mask, width: slice(0, width - 1)
     try:
-        config = LearnerConfig(lr=1e-6, autocast=autocast, micro_batch_tokens=4096)
+        config = LearnerConfig(
+            lr=1e-6, autocast=autocast, micro_batch_tokens=4096, share_prefix=share
+        )
         learner = Learner(load_model(model), config)
         seconds = []
         for i in range(repeats + 1):
@@ -75,26 +85,29 @@ def time_updates(model: str, batch, *, autocast: str | None, every_position: boo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--trajectories", type=int, default=32)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--group_size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learner.json")
     args = parser.parse_args()
 
-    batch = demonstrations(args.model, args.trajectories)
+    batch = demonstrations(args.model, args.questions, args.group_size)
     lengths = np.diff(batch.token_offsets)
     padded, real = len(batch) * int(lengths.max()), int(lengths.sum())
     print(f"{len(batch)} trajectories, {real} tokens ({padded} padded to the longest), "
           f"{int(batch.token_values('loss_mask').sum())} trained")  # fmt: skip
     cases = {
-        "float32, every position": (None, True),
-        "float32, trained span": (None, False),
-        "bf16 autocast, trained span": ("bfloat16", False),
+        "float32, every position": (None, True, False),
+        "float32, trained span": (None, False, False),
+        "bf16 autocast, trained span": ("bfloat16", False, False),
+        "+ shared prompt": ("bfloat16", False, True),
     }
     results = {}
-    for name, (autocast, every) in cases.items():
+    for name, (autocast, every, share) in cases.items():
         s = time_updates(
-            args.model, batch, autocast=autocast, every_position=every, repeats=args.repeats
-        )
+            args.model, batch, autocast=autocast, every_position=every, share=share,
+            repeats=args.repeats,
+        )  # fmt: skip
         results[name] = {
             "seconds": s,
             "real_tokens_per_s": real / s,

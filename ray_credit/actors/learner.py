@@ -124,6 +124,13 @@ class LearnerConfig:
     logprobs, the default on CPUs), ``"bfloat16"`` (GPUs), ``"float16"`` or ``"auto"`` (the
     checkpoint's own), as :func:`ray_credit.models.load_model` takes it."""
 
+    share_prefix: bool = True
+    """Run the prefix that all rows of a micro-batch share (a group's prompt: G copies of
+    it in a GRPO batch) through the model once, and each row only from there, on the
+    prefix's keys and values repeated: the same logits and gradients up to float
+    rounding, ~30 % less work at G=8 with a prompt a third of each row. Micro-batches are
+    then formed group by group. Single-worker learners only (DDP and FSDP wrap one
+    forward per backward); with more workers rows are run whole."""
     autocast: str | None = None
     """Mixed precision: ``"bfloat16"`` (or ``"float16"``) runs the forward and backward
     matmuls in that dtype under ``torch.autocast`` while weights, gradients and optimizer
@@ -329,6 +336,7 @@ class Learner:
             data["clip_scale"] = tensors["clip_scale"][:, 1:]
         lengths = tensors["attention_mask"].sum(-1)
         n = len(batch)
+        data["prompt_key"] = _prompt_keys(data["input_ids"], data["mask"])
         # The same schedule on every rank (same seed); each rank takes its share of every
         # mini-batch, so the update does not depend on the number of ranks.
         schedule = []
@@ -428,7 +436,9 @@ class Learner:
         token_count = 0.0
         micro = [
             (positions[part], dummy or idle)
-            for part, dummy in self._passes(lengths[rows[positions]])
+            for part, dummy in self._passes(
+                lengths[rows[positions]], data["prompt_key"][rows[positions].numpy()]
+            )
         ]
         count = len(micro)
         for i, (part, dummy) in enumerate(micro):
@@ -550,17 +560,21 @@ class Learner:
             weight = torch.where(limited, torch.zeros_like(weight), weight)
         return weight, limited.float()
 
-    def _passes(self, lengths) -> list[tuple[np.ndarray, bool]]:
+    def _passes(self, lengths, keys) -> list[tuple[np.ndarray, bool]]:
         """The micro-batches as ``(row positions, dummy)``. Under FSDP every rank runs as
         many forward (and backward) passes as the busiest one, since each pass gathers
         parameters from all ranks: the extra ones repeat a row and are marked dummy, to be
         run for the collectives and their results left out."""
-        micro = list(self._micro_batches(lengths))
+        micro = list(self._micro_batches(lengths, keys if self._sharing else None))
         extra = self.world.equal_count(len(micro)) - len(micro)
         return [(part, False) for part in micro] + [(micro[0][:1], True)] * extra
 
-    def _micro_batches(self, lengths):
-        return micro_batches(lengths, self.config.micro_batch_tokens)
+    def _micro_batches(self, lengths, keys=None):
+        return micro_batches(lengths, self.config.micro_batch_tokens, keys=keys)
+
+    @property
+    def _sharing(self) -> bool:
+        return self.config.share_prefix and self.world.size == 1
 
     def _logits(self, model, data: dict, index, span: slice):
         """Tempered logits of the positions in ``span`` (target-aligned: position t
@@ -570,8 +584,18 @@ class Learner:
         width = span.stop + 1
         ids = data["input_ids"][index, :width].to(self.device)
         attention = data["attention_mask"][index, :width].to(self.device)
+        keep = width - span.start
+        shared = shared_prefix_length(ids, attention, span.start) if self._sharing else 0
         with autocast(self.device, self.config.autocast):
-            out = model(input_ids=ids, attention_mask=attention, logits_to_keep=width - span.start)
+            if shared >= MIN_SHARED_PREFIX and len(ids) > 1:
+                head = model(input_ids=ids[:1, :shared], use_cache=True).past_key_values
+                head.batch_repeat_interleave(len(ids))  # keeps the graph: grads add up
+                out = model(
+                    input_ids=ids[:, shared:], attention_mask=attention,
+                    past_key_values=head, use_cache=False, logits_to_keep=keep,
+                )  # fmt: skip
+            else:
+                out = model(input_ids=ids, attention_mask=attention, logits_to_keep=keep)
         logits = out.logits[:, :-1].float()
         t = self.config.temperature
         return logits if t == 1.0 else logits / t
@@ -582,7 +606,7 @@ class Learner:
 
         out = torch.zeros_like(data["behavior"])
         with torch.no_grad():
-            for part, dummy in self._passes(lengths[rows]):
+            for part, dummy in self._passes(lengths[rows], data["prompt_key"][rows]):
                 index = torch.as_tensor(rows[part])
                 width = int(lengths[index].max())
                 sl = trained_span(data["mask"][index], width)
@@ -702,19 +726,49 @@ def trained_span(mask, width: int) -> slice:
     return slice(max(start, 0), width - 1)
 
 
-def micro_batches(lengths, budget: int):
-    """Groups of row positions (sorted by length, longest first) of at most ``budget``
-    padded tokens each; a row longer than ``budget`` gets a pass of its own."""
-    order = np.argsort(-np.asarray(lengths), kind="stable")
+MIN_SHARED_PREFIX = 16  # shorter common prefixes are run whole: not worth a second call
+
+
+def micro_batches(lengths, budget: int, *, keys=None):
+    """Groups of row positions of at most ``budget`` padded tokens each; a row longer
+    than ``budget`` gets a pass of its own. Rows go longest first; with ``keys`` (one
+    per row, e.g. :func:`_prompt_keys`), rows of the same key go together, longest first
+    within each, so that a micro-batch shares its prompt."""
+    lengths = np.asarray(lengths)
+    if keys is None:
+        order = np.argsort(-lengths, kind="stable")
+    else:
+        order = np.lexsort((-lengths, np.asarray(keys)))
     part: list[int] = []
+    longest = 0
     for pos in order:
-        longest = int(lengths[part[0]]) if part else int(lengths[pos])
+        longest = max(longest, int(lengths[pos]))
         if part and (len(part) + 1) * longest > budget:
             yield np.array(part)
-            part = []
+            part, longest = [], int(lengths[pos])
         part.append(int(pos))
     if part:
         yield np.array(part)
+
+
+def shared_prefix_length(ids, attention, limit: int) -> int:
+    """Length of the prefix that every row of ``ids`` shares, unpadded, cut to ``limit``
+    (the first position whose logits are needed) and to one token short of the rows."""
+    same = (ids == ids[:1]).all(0) & attention.bool().all(0)
+    same = same[: min(limit, ids.shape[1] - 1)]
+    return int(same.long().cumprod(0).sum())
+
+
+def _prompt_keys(input_ids, mask) -> np.ndarray:
+    """One integer per row naming its tokens before its first trained token (a group's
+    rows share one): rows of a key share their prompt."""
+    first = np.asarray(mask.float().argmax(-1))
+    ids = np.asarray(input_ids)
+    seen: dict[bytes, int] = {}
+    return np.array(
+        [seen.setdefault(ids[r, : first[r] + 1].tobytes(), len(seen)) for r in range(len(ids))],
+        dtype=np.int64,
+    )
 
 
 def autocast(device: Any, dtype: str | None):
