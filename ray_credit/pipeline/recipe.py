@@ -620,6 +620,10 @@ def train(cfg: Any, estimator: str) -> dict:
         groups_trained=len(pipeline.trained_groups),
         checkpoint=pipe_cfg.checkpoint_dir,
     )
+    # Training's generators and scorer are done: their memory (a vLLM engine's KV cache
+    # each) goes back before the evaluation's generator starts.
+    for actor in [*pipeline.generators, *([scorer] if scorer is not None else [])]:
+        ray.kill(actor)
     # Evaluation after training.
     if cfg.eval.enabled:
         summary["eval_after"] = _evaluate_policy(
