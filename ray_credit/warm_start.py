@@ -70,8 +70,14 @@ class WarmStartConfig:
     autocast: str | None = None
     """Mixed precision of the fine-tuning (as ``learner.autocast``: "bfloat16", "float16"
     or None); the saved weights are float32 either way."""
+    detours: float = 0.0
+    """Share of the demonstrations with a turn to spare in which the expert, after the
+    searches it needs, searches one more title (another question's supporting document)
+    before it answers. The answer is then read from an earlier document than the last:
+    RL's extra searches otherwise meet a policy that only ever answered from the last
+    document it read (docs/learning.md)."""
     seed: int = 0
-    """Order of the demonstrations and of the questions picked."""
+    """Order of the demonstrations, the questions picked and the detours."""
     folder: str | None = None
     """Where the warm-started policy is saved (None: output_dir/name/warm_start). A folder
     that already holds one made with the same settings is reused (a resumed run does);
@@ -89,6 +95,8 @@ class WarmStartConfig:
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"warm_start.lr must be a positive finite number, got {self.lr}")
+        if not 0.0 <= self.detours <= 1.0:
+            raise ValueError(f"warm_start.detours must lie in [0, 1], got {self.detours}")
 
 
 # ----------------------------------------------------------------------- the expert
@@ -102,11 +110,18 @@ def _action(kind: str, text: str, style: str) -> str:
     return f"<search> {text} </search>"
 
 
-def expert_turns(question: Mapping[str, Any], titles: Mapping[str, str], gen: Any) -> list[str]:
+def expert_turns(
+    question: Mapping[str, Any],
+    titles: Mapping[str, str],
+    gen: Any,
+    *,
+    detour: str | None = None,
+) -> list[str]:
     """What the expert writes at each turn of ``question`` (the text after whatever prefix
     the generator feeds that turn: ``response_prefix`` on turn 0, ``final_turn_prefix`` on
     the last allowed one). It searches each supporting document's title, as many as fit
-    before the answer turn, then answers the first gold answer.
+    before the answer turn, then ``detour`` (a title it does not need) when a turn is
+    left, then answers the first gold answer.
 
     Raises ``ValueError`` when the question has no ``supporting_doc_ids``, a document id
     is not in the corpus, or a prefix is not the start of the action the expert takes.
@@ -122,6 +137,8 @@ def expert_turns(question: Mapping[str, Any], titles: Mapping[str, str], gen: An
     if missing:
         raise ValueError(f"supporting documents {missing} of a question are not in the corpus")
     searches = [titles[str(i)] for i in ids][: gen.max_turns - 1]
+    if detour is not None and len(searches) < gen.max_turns - 1:
+        searches.append(detour)
     actions = [("search", s) for s in searches] + [("answer", question["golden_answers"][0])]
     turns = []
     for turn, (kind, text) in enumerate(actions):
@@ -193,17 +210,30 @@ def demonstrate(
     tokenizer: Any,
     retriever: Any,
     gen: Any,
+    *,
+    detours: float = 0.0,
+    seed: int = 0,
 ) -> tuple[TrajectoryBatch, dict[str, float]]:
     """One expert demonstration per question through the generator's loop (``gen``: its
     :class:`~ray_credit.actors.generator.GeneratorConfig`), and the counts: the
     demonstrations kept (a gold answer was in an observation, and the answer is right)
-    and those left out."""
+    and those left out. A share ``detours`` of those with a turn to spare search one
+    unneeded title of ``titles`` first (:attr:`WarmStartConfig.detours`)."""
     from ray_credit.actors.generator import Generator
 
+    rng = np.random.default_rng(seed)
+    pool = sorted(set(titles.values()))
     expert = ScriptedSampler(tokenizer)
     generator = Generator(retriever=retriever, config=gen, sampler=expert, name="demo")
+    taken = 0
     for q in questions:
-        expert.add(generator.prompt_ids(q["question"]), expert_turns(q, titles, gen))
+        needed = {titles.get(str(i)) for i in q.get("supporting_doc_ids") or ()}
+        detour = None
+        if len(needed) < gen.max_turns - 1 and rng.random() < detours:
+            others = [t for t in pool if t not in needed]
+            detour = others[rng.integers(len(others))] if others else None
+        taken += detour is not None
+        expert.add(generator.prompt_ids(q["question"]), expert_turns(q, titles, gen, detour=detour))
     batch = generator.generate(questions, group_size=1)
     found = batch.turn_values("turn_contains_gold", null=False)
     per_traj = np.logical_or.reduceat(found, batch.turn_offsets[:-1]) if len(found) else found
@@ -211,6 +241,7 @@ def demonstrate(
     kept = batch.select(np.flatnonzero(keep))
     counts = {
         "warm_start/demonstrations": float(keep.sum()),
+        "warm_start/detours": float(taken),
         "warm_start/left_out_no_gold_seen": float((~per_traj).sum()),
         "warm_start/left_out_wrong_answer": float((per_traj & ~keep).sum()),
         "warm_start/expert_tokens": float(kept.token_values("loss_mask").sum()),
@@ -317,7 +348,9 @@ def warm_start(
         pick = np.random.default_rng(cfg.seed).choice(len(chosen), cfg.questions, replace=False)
         chosen = [chosen[i] for i in sorted(pick)]
     policy, tokenizer = load_model(model, device=device)
-    demos, counts = demonstrate(chosen, titles, tokenizer, retriever, gen)
+    demos, counts = demonstrate(
+        chosen, titles, tokenizer, retriever, gen, detours=cfg.detours, seed=cfg.seed
+    )
     if len(demos) == 0:
         raise RuntimeError(
             f"none of the {len(chosen)} demonstrations saw a gold answer in its observations "

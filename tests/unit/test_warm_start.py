@@ -112,6 +112,26 @@ def test_demonstrations_are_generator_rollouts_of_the_script():
     )
 
 
+def test_detours_search_an_unneeded_title_then_answer_from_the_earlier_document():
+    assert expert_turns(ONE_HOP, TITLES, GEN, detour="Ada Quill") == [
+        " Velmora </search>", "<search> Ada Quill </search>", " Ada Quill </answer>"
+    ]  # fmt: skip
+    # a two-hop question has no turn to spare: the detour is not taken
+    assert expert_turns(TWO_HOP, TITLES, GEN, detour="Tarsk") == expert_turns(TWO_HOP, TITLES, GEN)
+    tokenizer = load_tokenizer("tiny-random")
+    batch, counts = demonstrate(
+        [ONE_HOP, TWO_HOP], TITLES, tokenizer, TitleRetriever(), GEN, detours=1.0
+    )
+    assert counts["warm_start/detours"] == 1 and counts["warm_start/demonstrations"] == 2
+    one_hop = batch.to_records()[0]["turns"]
+    assert [t["action"] for t in one_hop] == ["search", "search", "answer"]
+    assert one_hop[1]["query"] in {"Ada Quill", "Tarsk"} and one_hop[1]["query"] != "Velmora"
+    _, none = demonstrate([ONE_HOP], TITLES, tokenizer, TitleRetriever(), GEN, detours=0.0)
+    assert none["warm_start/detours"] == 0
+    with pytest.raises(ValueError, match="detours"):
+        WarmStartConfig(detours=1.5)
+
+
 def test_scripted_sampler_refuses_unknown_prompts_and_extra_turns():
     tokenizer = load_tokenizer("tiny-random")
     sampler = ScriptedSampler(tokenizer)
