@@ -20,6 +20,7 @@ training batches are read by Ray tasks and actors, the driver gets their summari
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -740,22 +741,62 @@ def _evaluate_policy(
         group_size=1,
         max_new_tokens=cfg.eval.max_new_tokens or cfg.generator.max_new_tokens,
     )
+    version = learner.policy_version if learner is not None else 0
+    cached = _evaluation_file(cfg, greedy, questions) if version == 0 else None
+    if cached is not None and cached.is_file():
+        result = json.loads(cached.read_text())
+        print(
+            f"eval {when}: EM {result['em']:.3f} on {len(questions)} held-out questions (policy "
+            f"version 0: the greedy evaluation of the same policy, questions and settings "
+            f"saved in {cached})",
+            flush=True,
+        )
+        return {**result, "reused": str(cached)}
     (actor,) = make_generators(
         cfg.model, retriever, cfg, greedy, prefix=None, count=1, num_cpus=cfg.resources.eval_cpus
     )
-    version = learner.policy_version if learner is not None else 0
     if version > 0:
         ray.get(
             actor.update_weights.remote(version, learner.weights()), timeout=cfg.pipeline.timeout_s
         )
     result = evaluate(actor, questions, cfg.pipeline.timeout_s)
     ray.kill(actor)
+    if cached is not None:
+        cached.parent.mkdir(exist_ok=True)
+        partial = cached.with_suffix(".partial")
+        partial.write_text(json.dumps(result))
+        partial.rename(cached)  # whole or absent
     print(
         f"eval {when}: EM {result['em']:.3f} on {len(questions)} held-out questions (policy "
         f"version {version}, {time.perf_counter() - t0:.0f}s)",
         flush=True,
     )
     return result
+
+
+def _evaluation_file(cfg: Any, greedy: Any, questions: list[dict]) -> Path | None:
+    """Where the greedy evaluation of a warm-started policy (unchanged since it was saved)
+    on ``questions`` is kept, in the policy's folder, named by a fingerprint of everything
+    that decides it: the warm start's own fingerprint, the questions and their answers,
+    the generator, retriever and data settings. Runs of several methods from one warm
+    start (bench/learning.py) then evaluate it once. None: not a warm-started folder, or
+    an external retriever (its index can change under the same URL)."""
+    manifest = Path(cfg.model) / "warm_start.json"
+    if not manifest.is_file() or cfg.retriever.url:
+        return None
+    settings = {
+        "warm_start": json.loads(manifest.read_text())["fingerprint"],
+        "questions": [[q["question"], list(q.get("golden_answers") or ())] for q in questions],
+        "generator": asdict(greedy),
+        "retriever": asdict(cfg.retriever),
+        "data": asdict(cfg.data),
+    }
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return (
+        Path(cfg.model)
+        / "evaluations"
+        / f"{hashlib.blake2b(blob, digest_size=10).hexdigest()}.json"
+    )
 
 
 def _warn_if_short(ray: Any, cfg: Any, plan: Plan) -> None:

@@ -26,6 +26,8 @@ def test_learning_bench_quick(ray_cluster, tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     # the methods of a seed start from one warm-start: made by the first, reused by the next
     assert out.stdout.count("warm-start: saved in") == 1 and "warm-start: reused" in out.stdout
+    # and the warm-started policy's evaluation: run by the first, read by the next
+    assert out.stdout.count("the greedy evaluation of the same policy, questions") == 1
     report = json.loads((tmp_path / "learning.json").read_text())
     assert set(report["methods"]) == {"grpo", "tspo"} and report["seeds"] == [0]
     for method in ("grpo", "tspo"):
