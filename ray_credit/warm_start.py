@@ -42,6 +42,9 @@ from ray_credit.batch import TrajectoryBatch
 __all__ = ["ScriptedSampler", "WarmStartConfig", "demonstrate", "expert_turns", "warm_start"]
 
 _MANIFEST = "warm_start.json"
+# Bumped when the same settings come to make other demonstrations or another loss (2: a
+# detour's search is not taught), so that an older warm start is not reused for a newer.
+_DEMONSTRATION_FORMAT = 2
 # The generator settings that shape a demonstration (sampling settings do not: the expert
 # does not sample); a warm start made under other values of these is not reused.
 _PROTOCOL_FIELDS = (
@@ -225,26 +228,33 @@ def demonstrate(
     pool = sorted(set(titles.values()))
     expert = ScriptedSampler(tokenizer)
     generator = Generator(retriever=retriever, config=gen, sampler=expert, name="demo")
-    taken = 0
+    took = []
     for q in questions:
         needed = {titles.get(str(i)) for i in q.get("supporting_doc_ids") or ()}
         detour = None
         if len(needed) < gen.max_turns - 1 and rng.random() < detours:
             others = [t for t in pool if t not in needed]
             detour = others[rng.integers(len(others))] if others else None
-        taken += detour is not None
+        took.append(detour is not None)
         expert.add(generator.prompt_ids(q["question"]), expert_turns(q, titles, gen, detour=detour))
     batch = generator.generate(questions, group_size=1)
+    # Each turn's weight in the cross-entropy: 1, and 0 on a detour's search, which is
+    # shown (its document stays in the context) but not taught (its title is random).
+    position = batch.turn_position
+    weight = np.ones(batch.num_turns, dtype=np.float32)
+    detoured = np.repeat(np.asarray(took, dtype=bool), batch.turn_counts)
+    weight[detoured & (position == batch.turn_counts[batch.turn_traj_index] - 2)] = 0.0
+    batch = batch.with_turn_columns({"turn_advantages": weight})
     found = batch.turn_values("turn_contains_gold", null=False)
     per_traj = np.logical_or.reduceat(found, batch.turn_offsets[:-1]) if len(found) else found
     keep = per_traj & (batch.traj_values("outcome_reward") >= 1.0)
     kept = batch.select(np.flatnonzero(keep))
     counts = {
         "warm_start/demonstrations": float(keep.sum()),
-        "warm_start/detours": float(taken),
+        "warm_start/detours": float(np.sum(took)),
         "warm_start/left_out_no_gold_seen": float((~per_traj).sum()),
         "warm_start/left_out_wrong_answer": float((per_traj & ~keep).sum()),
-        "warm_start/expert_tokens": float(kept.token_values("loss_mask").sum()),
+        "warm_start/expert_tokens": float(_trained(kept.to_torch()).sum()),
         "warm_start/tokens": float(len(kept.token_values("loss_mask"))),
     }
     return kept, counts
@@ -254,6 +264,12 @@ def demonstrate(
 def _fingerprint(settings: Mapping[str, Any]) -> str:
     blob = json.dumps(settings, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=10).hexdigest()
+
+
+def _trained(tensors: Mapping[str, Any]) -> Any:
+    """The expert's tokens that are taught: ``loss_mask`` times their turn's weight
+    (``turn_advantages``: 0 on a detour's search)."""
+    return tensors["loss_mask"] * tensors["advantages"]
 
 
 def _finetune(
@@ -266,7 +282,7 @@ def _finetune(
 
     tensors = batch.to_torch(pad_token_id=pad)
     ids, attention = tensors["input_ids"], tensors["attention_mask"]
-    mask = tensors["loss_mask"][:, 1:]
+    mask = _trained(tensors)[:, 1:]
     lengths = attention.sum(-1)
     n = len(batch)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
@@ -325,7 +341,8 @@ def warm_start(
     made_with = {k: v for k, v in asdict(cfg).items() if k != "folder"}  # where is not how
     protocol = {k: getattr(gen, k) for k in _PROTOCOL_FIELDS}
     settings = {"model": model, "warm_start": made_with, "generator": protocol,
-                "questions": [q["question"] for q in questions]}  # fmt: skip
+                "questions": [q["question"] for q in questions],
+                "demonstrations": _DEMONSTRATION_FORMAT}  # fmt: skip
     fingerprint = _fingerprint(settings)
     path = Path(folder)
     manifest_path = path / _MANIFEST

@@ -16,6 +16,7 @@ from ray_credit.models import load_model, load_tokenizer  # noqa: E402
 from ray_credit.warm_start import (  # noqa: E402
     ScriptedSampler,
     WarmStartConfig,
+    _trained,
     demonstrate,
     expert_turns,
     warm_start,
@@ -126,6 +127,14 @@ def test_detours_search_an_unneeded_title_then_answer_from_the_earlier_document(
     one_hop = batch.to_records()[0]["turns"]
     assert [t["action"] for t in one_hop] == ["search", "search", "answer"]
     assert one_hop[1]["query"] in {"Ada Quill", "Tarsk"} and one_hop[1]["query"] != "Velmora"
+    # the detour's search is shown, not taught: its tokens are out of the cross-entropy
+    tensors = batch.to_torch()
+    taught = _trained(tensors)
+    turn, written = tensors["token_turn"][0], tensors["loss_mask"][0] == 1
+    assert written[turn == 1].any() and taught[0][turn == 1].sum() == 0
+    assert taught[0][written & (turn != 1)].all()
+    assert (taught[1] == tensors["loss_mask"][1]).all()
+    assert counts["warm_start/expert_tokens"] == float(taught.sum())
     _, none = demonstrate([ONE_HOP], TITLES, tokenizer, TitleRetriever(), GEN, detours=0.0)
     assert none["warm_start/detours"] == 0
     with pytest.raises(ValueError, match="detours"):
