@@ -28,6 +28,8 @@ from ray_credit.pipeline.recipe import (
     ResourcesConfig,
     RetrieverConfig,
     connect,
+    describe_change,
+    eval_change,
     load_data,
     make_generators,
     make_retriever,
@@ -52,6 +54,10 @@ class EvalRun:
     """'heldout' (the questions a training run with the same data settings holds out) or 'all'."""
     output: str | None = None
     """Write the results here as JSON (None: print only)."""
+    before: str | None = None
+    """An earlier evaluation of the same questions to compare with: this script's
+    --output JSON, or a training run's summary.json (its eval_before). The change is
+    printed with its paired 95 % interval, overall and per data source, and kept."""
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
@@ -74,6 +80,22 @@ def resolve_model(path: str) -> str:
     return path
 
 
+def read_before(path: str) -> dict:
+    """The per-question outcomes of an earlier evaluation: an --output file of this
+    script, or a training run's summary.json (its eval_before)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"--before {path}: cannot read it as JSON ({err})") from None
+    data = data.get("eval_before", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict) or not {"correct", "source", "em"} <= set(data):
+        raise SystemExit(
+            f"--before {path}: holds no per-question outcomes ('correct', 'source'); give "
+            "an eval.py --output file or a run's summary.json"
+        )
+    return data
+
+
 def main(argv=None) -> dict:
     from ray_credit.config import parse_config
 
@@ -85,6 +107,7 @@ def main(argv=None) -> dict:
         skip_sections=TRAINING_SECTIONS,
     )
     greedy = replace(cfg.generator, temperature=0.0, group_size=1)
+    earlier = read_before(cfg.before) if cfg.before else None  # a bad file fails before Ray
     ray = connect(cfg)
     corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.seed)
     questions = eval_q if cfg.split == "heldout" else train_q + eval_q
@@ -100,7 +123,13 @@ def main(argv=None) -> dict:
     parts = ray.get(refs, timeout=cfg.timeout_s)
     counts: dict[str, int] = {}
     hits: dict[str, float] = {}
-    for part in parts:
+    correct: dict[str, int] = {}
+    source: dict[str, str] = {}
+    for part, share in zip(parts, shares, strict=True):
+        # each part numbers its questions from 0: "<position>:<question>" over the whole list
+        for i, (key, value) in zip(share, part["correct"].items(), strict=True):
+            whole = f"{i}:{key.partition(':')[2]}"
+            correct[whole], source[whole] = value, part["source"][key]
         for source, n in part["count_by_source"].items():
             counts[source] = counts.get(source, 0) + n
             hits[source] = hits.get(source, 0.0) + part["em_by_source"][source] * n
@@ -113,12 +142,17 @@ def main(argv=None) -> dict:
         "answered": sum(p["answered"] * p["questions"] for p in parts) / total,
         "em_by_source": {k: hits[k] / counts[k] for k in sorted(counts)},
         "count_by_source": dict(sorted(counts.items())),
+        "correct": correct,
+        "source": source,
         "config": asdict(cfg),
     }
     print(f"{'data source':<24} {'n':>6} {'EM':>7}")
-    for source, em in result["em_by_source"].items():
-        print(f"{source:<24} {result['count_by_source'][source]:>6} {em:>7.3f}")
+    for name, em in result["em_by_source"].items():
+        print(f"{name:<24} {result['count_by_source'][name]:>6} {em:>7.3f}")
     print(f"{'all':<24} {result['questions']:>6} {result['em']:>7.3f}")
+    if earlier is not None:
+        result["change"] = eval_change(earlier, result)
+        print(describe_change(earlier, result, result["change"]), flush=True)
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(result, indent=2))
         print(f"wrote {cfg.output}")

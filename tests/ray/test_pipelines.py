@@ -107,11 +107,15 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
             "--data.world.num_entities", "20",
             "--resources.generator_cpus", "0.5",
             "--output", str(result_file),
+            "--before", str(out / "summary.json"),
         ],
         ray_cluster,
     )  # fmt: skip
     result = json.loads(result_file.read_text())
     assert result["model"].endswith("checkpoint/learner/model") and result["questions"] == 4
+    # paired with the run's own evaluation of the same 4 questions
+    assert result["change"]["all"]["n"] == 4 and "held-out EM, paired" in stdout
+    assert set(result["correct"]) == set(summary["eval_before"]["correct"])
     assert set(result["em_by_source"]) <= {"synthetic_1hop", "synthetic_2hop"}
     assert "all" in stdout
 

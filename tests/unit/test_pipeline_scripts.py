@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -192,3 +193,22 @@ def test_an_estimator_across_groups_runs_once_per_step():
     assert [s.__name__ for s in local.stages(timeout_s=1.0)[0]] == ["estimator_tspo"]
     with pytest.raises(ValueError, match="needs a section 'grpo: GRPOConfig'"):
         make_plan(TSPORun(), "grpo", [{"question": "q?", "golden_answers": ["a"]}])
+
+
+def test_eval_before_reads_per_question_outcomes_or_says_what_it_needs(tmp_path):
+    sys.path.insert(0, str(ROOT / "pipelines"))
+    from eval import read_before
+
+    outcomes = {"em": 0.5, "correct": {"0:q": 1, "1:r": 0}, "source": {"0:q": "a", "1:r": "b"}}
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"eval_before": outcomes, "steps": 3}))
+    assert read_before(str(summary)) == outcomes
+    own = tmp_path / "eval.json"
+    own.write_text(json.dumps(outcomes))
+    assert read_before(str(own)) == outcomes
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"em": 0.5}))  # an eval.py file from before it kept outcomes
+    with pytest.raises(SystemExit, match="no per-question outcomes"):
+        read_before(str(bare))
+    with pytest.raises(SystemExit, match="cannot read it as JSON"):
+        read_before(str(tmp_path / "missing.json"))
