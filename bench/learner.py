@@ -51,7 +51,12 @@ def demonstrations(model: str, count: int, group_size: int):
     )
     from ray_credit.batch import TrajectoryBatch
 
-    batch = TrajectoryBatch.concat([batch.select([i] * group_size) for i in range(len(batch))])
+    records = [
+        {**r, "traj_id": f"{r['traj_id']}#{g}", "group_id": f"{r['group_id']}#q{i}"}
+        for i, r in enumerate(batch.to_records())
+        for g in range(group_size)
+    ]
+    batch = TrajectoryBatch.from_records(records)
     advantages = np.random.default_rng(0).normal(size=batch.num_turns).astype(np.float32)
     return batch.with_turn_columns({"turn_advantages": advantages})
 
