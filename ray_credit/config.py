@@ -224,7 +224,8 @@ def parse_config(
             dest=name,
             default=argparse.SUPPRESS,
             metavar=_metavar(kind),
-            help=f"{doc} (default: {shown})",
+            # argparse %-formats help text: a literal "%" (as in "30 %") must be doubled
+            help=f"{doc} (default: {shown})".replace("%", "%%"),
         )
     args = vars(parser.parse_args(argv))
     args.pop("config", None)
