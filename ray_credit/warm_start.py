@@ -260,10 +260,13 @@ def demonstrate(
     return kept, counts
 
 
-# ----------------------------------------------------------------------- fine-tuning
-def _fingerprint(settings: Mapping[str, Any]) -> str:
+def settings_fingerprint(settings: Mapping[str, Any]) -> str:
+    """A short stable hash of JSON-able ``settings`` (key order does not matter)."""
     blob = json.dumps(settings, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=10).hexdigest()
+
+
+# ----------------------------------------------------------------------- fine-tuning
 
 
 def _trained(tensors: Mapping[str, Any]) -> Any:
@@ -343,7 +346,7 @@ def warm_start(
     settings = {"model": model, "warm_start": made_with, "generator": protocol,
                 "questions": [q["question"] for q in questions],
                 "demonstrations": _DEMONSTRATION_FORMAT}  # fmt: skip
-    fingerprint = _fingerprint(settings)
+    fingerprint = settings_fingerprint(settings)
     path = Path(folder)
     manifest_path = path / _MANIFEST
     if manifest_path.is_file():

@@ -20,7 +20,6 @@ training batches are read by Ray tasks and actors, the driver gets their summari
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -38,7 +37,7 @@ from ray_credit.actors.retriever import EncoderConfig, IndexConfig
 from ray_credit.data import WorldConfig
 from ray_credit.pipeline.plan import Plan, make_plan, recipe_defaults
 from ray_credit.pipeline.runner import Pipeline, PipelineConfig
-from ray_credit.warm_start import WarmStartConfig
+from ray_credit.warm_start import WarmStartConfig, settings_fingerprint
 
 __all__ = [
     "DataConfig",
@@ -791,12 +790,7 @@ def _evaluation_file(cfg: Any, greedy: Any, questions: list[dict]) -> Path | Non
         "retriever": asdict(cfg.retriever),
         "data": asdict(cfg.data),
     }
-    blob = json.dumps(settings, sort_keys=True, default=str).encode()
-    return (
-        Path(cfg.model)
-        / "evaluations"
-        / f"{hashlib.blake2b(blob, digest_size=10).hexdigest()}.json"
-    )
+    return Path(cfg.model) / "evaluations" / f"{settings_fingerprint(settings)}.json"
 
 
 def _warn_if_short(ray: Any, cfg: Any, plan: Plan) -> None:
