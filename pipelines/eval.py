@@ -33,6 +33,7 @@ from ray_credit.pipeline.recipe import (
     load_data,
     make_generators,
     make_retriever,
+    question_key,
     submit_evaluation,
 )
 from ray_credit.signals import SIGNALS  # noqa: E402
@@ -126,10 +127,10 @@ def main(argv=None) -> dict:
     correct: dict[str, int] = {}
     source: dict[str, str] = {}
     for part, share in zip(parts, shares, strict=True):
-        # each part numbers its questions from 0: "<position>:<question>" over the whole list
-        for i, (key, value) in zip(share, part["correct"].items(), strict=True):
-            whole = f"{i}:{key.partition(':')[2]}"
-            correct[whole], source[whole] = value, part["source"][key]
+        # each part numbers its own questions from 0; the result numbers the whole list
+        for i, key in zip(share, part["correct"], strict=True):
+            whole = question_key(int(i), questions[i]["question"])
+            correct[whole], source[whole] = part["correct"][key], part["source"][key]
         for source, n in part["count_by_source"].items():
             counts[source] = counts.get(source, 0) + n
             hits[source] = hits.get(source, 0.0) + part["em_by_source"][source] * n

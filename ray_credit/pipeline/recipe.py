@@ -298,6 +298,13 @@ def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dic
 
 
 # ----------------------------------------------------------------------------- eval
+def question_key(position: int, question: str) -> str:
+    """How an evaluation names a question in its per-question outcomes: an evaluation
+    rolls its list out in order, one trajectory per question, so "<position>:<question>"
+    pairs it with another evaluation of the same list (and tells repeats apart)."""
+    return f"{position}:{question}"
+
+
 def _eval_summary(batch: Any) -> dict[str, Any]:
     """Exact match of one rollout per question, overall and per data source (runs where
     the batch is, in a Ray task)."""
@@ -308,9 +315,7 @@ def _eval_summary(batch: Any) -> dict[str, Any]:
     per_source: dict[str, list[float]] = {}
     for source, r in zip(sources, reward, strict=True):
         per_source.setdefault(source, []).append(float(r >= 1.0))
-    # "<position>:<question>": an evaluation rolls the held-out list out in order, one
-    # trajectory per question, so this pairs it with another evaluation of the same list
-    keys = [f"{i}:{q}" for i, q in enumerate(batch.column("question").to_pylist())]
+    keys = [question_key(i, q) for i, q in enumerate(batch.column("question").to_pylist())]
     correct = [int(r >= 1.0) for r in reward]
     m, n = batch.metrics, max(len(batch), 1)
     return {
