@@ -336,7 +336,8 @@ class Learner:
             data["clip_scale"] = tensors["clip_scale"][:, 1:]
         lengths = tensors["attention_mask"].sum(-1)
         n = len(batch)
-        data["prompt_key"] = _prompt_keys(data["input_ids"], data["mask"])
+        if self._sharing:  # micro-batches then go prompt by prompt
+            data["prompt_key"] = _prompt_keys(data["input_ids"], data["mask"])
         # The same schedule on every rank (same seed); each rank takes its share of every
         # mini-batch, so the update does not depend on the number of ranks.
         schedule = []
@@ -436,9 +437,7 @@ class Learner:
         token_count = 0.0
         micro = [
             (positions[part], dummy or idle)
-            for part, dummy in self._passes(
-                lengths[rows[positions]], data["prompt_key"][rows[positions].numpy()]
-            )
+            for part, dummy in self._passes(lengths, rows[positions].numpy(), data)
         ]
         count = len(micro)
         for i, (part, dummy) in enumerate(micro):
@@ -560,12 +559,14 @@ class Learner:
             weight = torch.where(limited, torch.zeros_like(weight), weight)
         return weight, limited.float()
 
-    def _passes(self, lengths, keys) -> list[tuple[np.ndarray, bool]]:
-        """The micro-batches as ``(row positions, dummy)``. Under FSDP every rank runs as
-        many forward (and backward) passes as the busiest one, since each pass gathers
-        parameters from all ranks: the extra ones repeat a row and are marked dummy, to be
-        run for the collectives and their results left out."""
-        micro = list(self._micro_batches(lengths, keys if self._sharing else None))
+    def _passes(self, lengths, rows: np.ndarray, data: dict) -> list[tuple[np.ndarray, bool]]:
+        """The micro-batches of ``rows`` as ``(positions in rows, dummy)``, prompt by prompt
+        when ``data`` has prompt keys. Under FSDP every rank runs as many forward (and
+        backward) passes as the busiest one, since each pass gathers parameters from all
+        ranks: the extra ones repeat a row and are marked dummy, to be run for the
+        collectives and their results left out."""
+        keys = data.get("prompt_key")
+        micro = list(self._micro_batches(lengths[rows], None if keys is None else keys[rows]))
         extra = self.world.equal_count(len(micro)) - len(micro)
         return [(part, False) for part in micro] + [(micro[0][:1], True)] * extra
 
@@ -606,7 +607,7 @@ class Learner:
 
         out = torch.zeros_like(data["behavior"])
         with torch.no_grad():
-            for part, dummy in self._passes(lengths[rows], data["prompt_key"][rows]):
+            for part, dummy in self._passes(lengths, rows, data):
                 index = torch.as_tensor(rows[part])
                 width = int(lengths[index].max())
                 sl = trained_span(data["mask"][index], width)
