@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def demonstrations(model: str, count: int, group_size: int):
     from ray_credit.actors.generator import GeneratorConfig
     from ray_credit.actors.retriever import Retriever
+    from ray_credit.batch import TrajectoryBatch
     from ray_credit.data import WorldConfig
     from ray_credit.models import load_tokenizer
     from ray_credit.pipeline.recipe import DataConfig, load_data
@@ -49,8 +50,6 @@ def demonstrations(model: str, count: int, group_size: int):
     batch, _ = demonstrate(
         train_q[:count], titles, load_tokenizer(model), Retriever.create(corpus), gen
     )
-    from ray_credit.batch import TrajectoryBatch
-
     records = [
         {**r, "traj_id": f"{r['traj_id']}#{g}", "group_id": f"{r['group_id']}#q{i}"}
         for i, r in enumerate(batch.to_records())
