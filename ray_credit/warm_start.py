@@ -140,7 +140,7 @@ def expert_turns(
     if missing:
         raise ValueError(f"supporting documents {missing} of a question are not in the corpus")
     searches = [titles[str(i)] for i in ids][: gen.max_turns - 1]
-    if detour is not None and len(searches) < gen.max_turns - 1:
+    if detour is not None and _turn_to_spare(question, gen):
         searches.append(detour)
     actions = [("search", s) for s in searches] + [("answer", question["golden_answers"][0])]
     turns = []
@@ -158,6 +158,11 @@ def expert_turns(
             )
         turns.append(action[len(prefix) :])
     return turns
+
+
+def _turn_to_spare(question: Mapping[str, Any], gen: Any) -> bool:
+    """Whether the expert's searches of ``question`` leave a turn before the answer."""
+    return len(question.get("supporting_doc_ids") or ()) < gen.max_turns - 1
 
 
 class ScriptedSampler:
@@ -230,9 +235,9 @@ def demonstrate(
     generator = Generator(retriever=retriever, config=gen, sampler=expert, name="demo")
     took = []
     for q in questions:
-        needed = {titles.get(str(i)) for i in q.get("supporting_doc_ids") or ()}
         detour = None
-        if len(needed) < gen.max_turns - 1 and rng.random() < detours:
+        if _turn_to_spare(q, gen) and rng.random() < detours:
+            needed = {titles.get(str(i)) for i in q.get("supporting_doc_ids") or ()}
             others = [t for t in pool if t not in needed]
             detour = others[rng.integers(len(others))] if others else None
         took.append(detour is not None)
