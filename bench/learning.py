@@ -17,6 +17,11 @@ t-interval; 1-hop and 2-hop apart), its change from before training (mean of the
 per-seed paired changes), the training reward per step (mean and a band of one std
 across seeds), the share of all-wrong groups and of zero-advantage groups, and wall time
 per run. Writes JSON (``--out``) and one PNG of reward curves with bands (``--plot``).
+
+The runs go seed by seed (every method of seed 0, then of seed 1, ...), and each finished
+run is recorded in ``<runs-dir>/runs.jsonl`` as it ends. Started again with the same
+``--runs-dir`` and settings, the study reuses the recorded runs and redoes only the rest
+(a run cut off half-way starts over), so a study of hours survives a lost machine.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -80,9 +86,24 @@ def main(argv: list[str] | None = None) -> int:
         if "=" not in item:
             parser.error(f"--set takes SECTION.FIELD=VALUE, got {item!r}")
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        done = recorded_runs(runs_dir / RECORD, settings)
+    except ValueError as err:
+        parser.error(str(err))
 
     started = time.perf_counter()
-    runs = {m: [run_one(m, seed, settings, runs_dir) for seed in seeds] for m in methods}
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for seed in seeds:  # seed-major: an unfinished study has every method on its first seeds
+        for method in methods:
+            if (method, seed) in done:
+                print(f"{method} seed {seed}: reused from {runs_dir / RECORD}", flush=True)
+                runs[method].append(done[method, seed])
+                continue
+            run = run_one(method, seed, settings, runs_dir)
+            with (runs_dir / RECORD).open("a") as record:
+                record.write(json.dumps({"method": method, "settings": settings, **run}) + "\n")
+            runs[method].append(run)
     report = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
@@ -101,8 +122,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+RECORD = "runs.jsonl"
+
+
+def recorded_runs(path: Path, settings: list[str]) -> dict[tuple[str, int], dict]:
+    """The finished runs recorded in ``path`` by an earlier start of this study, by
+    (method, seed). Runs of other settings are refused: they would not be comparable."""
+    if not path.is_file():
+        return {}
+    done = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a record cut off while written
+            print(f"{path}:{number}: not a whole record, ignored (that run is redone)")
+            continue
+        if row["settings"] != settings:
+            raise ValueError(
+                f"{path} records runs with the settings {row['settings']}, not {settings}; "
+                "give the same --set (and --quick) as the study that made it, or another "
+                "--runs-dir"
+            )
+        run = {k: v for k, v in row.items() if k not in ("method", "settings")}
+        done[row["method"], run["seed"]] = run
+    return done
+
+
 def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict:
-    """One training run; what the study keeps of it."""
+    """One training run; what the study keeps of it. A folder left by a run that did not
+    finish (it is not in the record) is cleared first: its metrics.jsonl is appended to."""
     from ray_credit.pipeline.recipe import load_config, run_config_class, train
 
     script, cls_name = METHODS[method]
@@ -119,6 +169,10 @@ def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict
     cfg = load_config(
         run_cls, method, argv, default_config=ROOT / "pipelines" / "configs" / "embedded.yaml"
     )
+    stale = runs_dir / cfg.name
+    if stale.exists():
+        print(f"{method} seed {seed}: {stale} is left from a run that did not finish; redone")
+        shutil.rmtree(stale)
     start = time.perf_counter()
     summary = train(cfg, method)
     seconds = time.perf_counter() - start

@@ -47,3 +47,45 @@ def test_t_interval_and_quantiles():
     assert _t975(2) == 4.303 and _t975(12) == 2.228 and abs(_t975(60) - 2.000) < 0.002
     agg = _interval([0.1, 0.2, 0.3])
     assert agg["mean"] == 0.2 and abs(agg["high"] - 0.2 - 4.303 * 0.1 / 3**0.5) < 1e-9
+
+
+def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
+    """Each finished run is recorded as it ends; a restarted study reuses those and redoes
+    only the rest, and refuses a record made with other settings."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+
+    calls = []
+
+    def fake_run(method, seed, settings, runs_dir):
+        calls.append((method, seed))
+        if len(calls) == 3 and fail["now"]:
+            raise RuntimeError("machine lost")
+        return {"seed": seed, "seconds": 1.0, "em_before": 0.5, "em_after": 0.5 + seed / 10,
+                "em_after_by_source": {"1hop": 0.5}, "em_change": {"diff": seed / 10, "low": -1},
+                "reward": [0.1, 0.2], "groups_all_wrong": [0.5, 0.5],
+                "groups_zero_advantage": [0.5, 0.5]}  # fmt: skip
+
+    fail = {"now": True}
+    monkeypatch.setattr(learning, "run_one", fake_run)
+    monkeypatch.setattr(learning, "plot_curves", lambda report, path: path.write_text("png"))
+    argv = ["--methods", "grpo,tspo", "--seeds", "0,1", "--set", "pipeline.steps=2",
+            "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "l.json")]  # fmt: skip
+    with pytest.raises(RuntimeError, match="machine lost"):
+        learning.main(argv)
+    assert calls == [("grpo", 0), ("tspo", 0), ("grpo", 1)]  # seed-major
+    record = (tmp_path / "runs" / "runs.jsonl").read_text().splitlines()
+    assert [json.loads(r)["method"] for r in record] == ["grpo", "tspo"]
+    with (tmp_path / "runs" / "runs.jsonl").open("a") as f:
+        f.write('{"method": "grpo", "se')  # a record cut off while written
+    fail["now"], calls[:] = False, []
+    assert learning.main(argv) == 0
+    assert calls == [("grpo", 1), ("tspo", 1)]  # only what was not finished
+    out = capsys.readouterr().out
+    assert out.count("reused from") == 2 and "not a whole record" in out
+    report = json.loads((tmp_path / "l.json").read_text())
+    assert [r["seed"] for r in report["runs"]["tspo"]] == [0, 1]
+    assert report["methods"]["tspo"]["em_after"]["n"] == 2
+    with pytest.raises(SystemExit):
+        learning.main([*argv[:-4], "--set", "pipeline.steps=3", *argv[-4:]])
+    assert "give the same --set" in capsys.readouterr().err
