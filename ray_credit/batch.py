@@ -12,6 +12,7 @@ offsets so nothing else is copied. The learner calls :meth:`TrajectoryBatch.to_t
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -219,13 +220,18 @@ class TrajectoryBatch:
     def from_records(cls, records: Sequence[Mapping[str, Any]]) -> TrajectoryBatch:
         """Build a batch from a list of dicts named as in :data:`COLUMNS`.
 
-        A turn may omit struct fields (they become null); unknown columns are kept with
-        the type Arrow infers for them.
+        A turn may omit struct fields (they become null) but not add any: a field it
+        does not know (a typo) raises, as does a string where a list is due (``gold_answers
+        = 'Bob'``). Unknown columns are kept with the type Arrow infers for them.
         """
+        if isinstance(records, Mapping):
+            _fail("from_records takes a list of dicts, one per trajectory, and got one dict; "
+                  "wrap it in a list: from_records([record])")  # fmt: skip
         if not records:
             _fail("from_records got no records; a TrajectoryBatch holds at least one trajectory")
         names: list[str] = []
-        for rec in records:
+        for i, rec in enumerate(records):
+            _check_record(i, rec)
             for key in rec:
                 if key not in names:
                     names.append(key)
@@ -873,6 +879,45 @@ def _cast_known_columns(table: pa.Table) -> pa.Table:
                     f"to {spec.type}: {exc}"
                 ) from exc
     return table
+
+
+_TURN_FIELDS = tuple(field.name for field in TURN_STRUCT)
+
+
+def _check_record(i: int, rec: Any) -> None:
+    """What Arrow would take silently but wrongly: a record that is not a dict, a string
+    given for a list (Arrow reads 'Bob' as ['B', 'o', 'b']), a turn field it does not know
+    (Arrow drops it: the field the user meant is null)."""
+    if not isinstance(rec, Mapping):
+        _fail(
+            f"record {i} is a {type(rec).__name__}, not a dict; from_records takes one dict "
+            f"per trajectory, keyed by column name (ray_credit.batch.COLUMNS lists them)"
+        )
+    for name, value in rec.items():
+        spec = COLUMNS.get(name)
+        if spec is None or value is None or not pa.types.is_list(spec.type):
+            continue
+        if isinstance(value, (str, bytes)):
+            _fail(
+                f"record {i}: column {name!r} is a list ({spec.type}), got the string "
+                f"{value!r}; wrap it in a list: [{value!r}]"
+            )
+        if name != "turns":
+            continue
+        for t, turn in enumerate(value):
+            if not isinstance(turn, Mapping):
+                _fail(
+                    f"record {i}: turn {t} is a {type(turn).__name__}, not a dict with the "
+                    f"fields {list(_TURN_FIELDS)}"
+                )
+            unknown = [key for key in turn if key not in _TURN_FIELDS]
+            if unknown:
+                close = difflib.get_close_matches(str(unknown[0]), _TURN_FIELDS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                _fail(
+                    f"record {i}: turn {t} has the field {unknown[0]!r}{hint}, which a turn "
+                    f"does not have; a turn's fields are {list(_TURN_FIELDS)}"
+                )
 
 
 def _first_bad_record(values: list[Any], type_: pa.DataType) -> int | None:

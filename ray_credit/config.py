@@ -24,7 +24,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_config", "config_to_dict", "field_docs", "parse_config", "replace_path"]
+__all__ = [
+    "InputError",
+    "InputFileNotFoundError",
+    "check_config",
+    "config_to_dict",
+    "field_docs",
+    "parse_config",
+    "replace_path",
+]
+
+
+class InputError(ValueError):
+    """Something a user handed us is wrong (a file, a folder, a setting); the message names
+    it and what to do. Pipeline scripts print it as one line, without a traceback."""
+
+
+class InputFileNotFoundError(InputError, FileNotFoundError):
+    """A file or folder a user named does not exist (or is not the kind named)."""
 
 
 def field_docs(cls: type) -> dict[str, str]:

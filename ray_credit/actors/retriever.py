@@ -24,6 +24,7 @@ server) is in :mod:`ray_credit.actors.retrieval_server`.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -181,6 +182,15 @@ ENCODER_PRESETS: dict[str, tuple[str, str, str]] = {
 }
 
 
+def _close_presets(name: str) -> list[str]:
+    """Presets a bare name (no '/') may have meant: ones it begins, or near spellings."""
+    if "/" in name or not name:
+        return []
+    lower = name.lower()
+    starts = [p for p in ENCODER_PRESETS if p.startswith(lower)]
+    return starts or difflib.get_close_matches(lower, ENCODER_PRESETS, n=2, cutoff=0.75)
+
+
 def _preset(name: str) -> tuple[str, str, str]:
     """(model, query prefix, passage prefix) of a preset name, an E5 model id or folder
     (``.../e5-...`` gets E5's prefixes), or any other model (no prefixes)."""
@@ -215,6 +225,15 @@ class EncoderConfig:
         if self.max_length < 1 or self.batch_size < 1:
             raise ValueError(
                 f"max_length and batch_size must be >= 1, got {self.max_length}, {self.batch_size}"
+            )
+        close = _close_presets(self.name)
+        if self.name not in ENCODER_PRESETS and close and not Path(self.name).exists():
+            # a bare name next to a preset ('e5', 'MiniLM') is a slip, not a hub id: say so
+            # now rather than after a network timeout
+            raise ValueError(
+                f"encoder {self.name!r} is not a preset; did you mean "
+                f"{' or '.join(map(repr, close))}? Presets: {', '.join(ENCODER_PRESETS)}; "
+                "other models are named by Hugging Face id (org/name) or local folder"
             )
 
     @property
@@ -280,9 +299,11 @@ class Encoder:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.model = AutoModel.from_pretrained(path).to(self.device).eval()
         except OSError as err:
+            name = self.config.name
             raise FileNotFoundError(
-                f"cannot load encoder {self.config.name!r} from {path!r}: {err}. Pass a local "
-                "folder, or download the model where the Hugging Face hub is reachable"
+                f"cannot load encoder {name!r} from {path!r}: {err}. Name a preset "
+                f"({', '.join(ENCODER_PRESETS)}) or a local folder, or download the model "
+                "where the Hugging Face hub is reachable"
             ) from err
         self.dim = int(self.model.config.hidden_size)
         self._torch = torch
@@ -487,7 +508,15 @@ class DenseIndex:
                 f"index in {folder} was built with another encoder: {got} there, "
                 f"{ {k: want[k] for k in differ} } now; {rebuild}"
             )
-        index = faiss.read_index(str(folder / _INDEX_FILE))
+        try:
+            index = faiss.read_index(str(folder / _INDEX_FILE))
+        except RuntimeError as err:  # faiss's C++ message: a truncated or foreign file
+            first = str(err).strip().splitlines()[0] if str(err).strip() else "unreadable"
+            raise ValueError(
+                f"{folder / _INDEX_FILE} is not a readable faiss index (faiss: {first}); it "
+                f"is damaged or was cut off while written: delete {folder} to have it built "
+                f"again, or {rebuild}"
+            ) from None
         if index.d != encoder.dim or index.ntotal != len(corpus):
             raise ValueError(
                 f"{folder / _INDEX_FILE} holds {index.ntotal} vectors of dimension {index.d}, "

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from ray_credit.config import InputError, InputFileNotFoundError
 from ray_credit.qa import check_gold_answers
 
 __all__ = ["QA_KEYS", "DataFormatError", "iter_corpus", "load_corpus", "load_qa", "prompt_stream"]
@@ -40,15 +41,13 @@ QA_KEYS = (
 """The keys of every question record the loaders return (``None`` where a file has none)."""
 
 
-class DataFormatError(ValueError):
+class DataFormatError(InputError):
     """A corpus or dataset file is malformed; the message names the file, line/row and fix."""
 
 
 # ---------------------------------------------------------------------------- corpus
-def _open_text(path: Path) -> IO[str]:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open(encoding="utf-8")
+def _open_bytes(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -58,14 +57,22 @@ def _is_jsonl(path: Path) -> bool:
 def _existing(path: str | os.PathLike, what: str) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{what} file {str(path)!r} does not exist (or is not a file)")
+        raise InputFileNotFoundError(f"{what} file {str(path)!r} does not exist (or is not a file)")
     return path
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` for each non-blank line of a jsonl file."""
-    with _open_text(path) as lines:
-        for number, line in enumerate(lines, start=1):
+    with _open_bytes(path) as lines:  # decoded line by line: an error names its line
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFormatError(
+                    f"{path}:{number}: not UTF-8 (byte {raw[err.start]:#04x} at column "
+                    f"{err.start + 1}); save the file as UTF-8, e.g. `iconv -f latin1 -t "
+                    f"utf-8 {path.name}` if it is Latin-1"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -264,10 +264,32 @@ def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig
         )
 
 
+def check_resume_folder(folder: str) -> None:
+    """Refuse ``--resume FOLDER`` before Ray starts unless it is a whole checkpoint: the
+    pipeline's state and the learner's part (what :meth:`Pipeline.save` writes)."""
+    from ray_credit.config import InputError, InputFileNotFoundError
+    from ray_credit.pipeline.runner import _STATE_FILE
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise InputFileNotFoundError(
+            f"--resume {folder}: no such folder; pass the checkpoint folder of the run to "
+            "continue (output_dir/name/checkpoint)"
+        )
+    missing = [p for p in (_STATE_FILE, "learner") if not (path / p).exists()]
+    if missing:
+        raise InputError(
+            f"--resume {folder}: not a pipeline checkpoint (it has no {' and no '.join(missing)}); "
+            "pass the checkpoint folder a run wrote (output_dir/name/checkpoint)"
+        )
+
+
 # ----------------------------------------------------------------------------- data
 def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dict]]:
     """(corpus, training questions, evaluation questions); ``seed`` (the pipeline's)
     decides which questions are held out."""
+    from ray_credit.config import InputError
+
     if data.questions == "synthetic":
         from ray_credit.data import make_world
 
@@ -277,7 +299,7 @@ def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dic
         from ray_credit.data.loaders import load_qa
 
         if data.corpus is None:
-            raise ValueError(
+            raise InputError(
                 f"data.questions={data.questions!r} needs data.corpus (FlashRAG jsonl)"
             )
         corpus, questions = data.corpus, load_qa(data.questions)
@@ -286,7 +308,7 @@ def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dic
 
         return corpus, questions, load_qa(data.eval_file)
     if not 0 < data.eval_questions < len(questions):
-        raise ValueError(
+        raise InputError(
             f"data.eval_questions={data.eval_questions} must hold out at least one of the "
             f"{len(questions)} questions and leave at least one to train on"
         )
@@ -574,6 +596,8 @@ def train(cfg: Any, estimator: str) -> dict:
     for departure in plan.departures:
         print(f"note: departs from {estimator}'s recipe: {departure}", flush=True)
     titles = _checked_demonstrations(cfg, corpus, train_q) if cfg.warm_start.enabled else {}
+    if cfg.resume is not None:
+        check_resume_folder(cfg.resume)
     # Services: retriever, judges, scorer, generators, learner.
     ray = connect(cfg)
     _warn_if_short(ray, cfg, plan)
@@ -875,5 +899,10 @@ def main(
     argv: Sequence[str] | None = None,
 ) -> dict:
     """What a pipeline script runs: :func:`load_config`, then :func:`train`."""
+    from ray_credit.config import InputError
+
     cfg = load_config(cls, estimator, argv, doc=doc, default_config=default_config)
-    return train(cfg, estimator)
+    try:
+        return train(cfg, estimator)
+    except InputError as err:  # the user's to fix: one line, as argparse's errors
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {err}") from None

@@ -49,6 +49,28 @@ def test_schema_documents_every_column():
             assert pa.types.is_list(spec.type), name
 
 
+@pytest.mark.parametrize(
+    "records, message",
+    [
+        (
+            [{**record(), "turns": [{"text": "x", "acton": "search"}]}],
+            "record 0: turn 0 has the field 'acton' (did you mean 'action'?)",
+        ),
+        ([record(gold_answers="Bob")], "column 'gold_answers' is a list (list<item: string>), "
+         "got the string 'Bob'; wrap it in a list: ['Bob']"),
+        ([record(), tuple(record().items())], "record 1 is a tuple, not a dict"),
+        ([{**record(), "turns": ["search Velmora"]}], "record 0: turn 0 is a str, not a dict"),
+        (record(), "got one dict; wrap it in a list"),
+    ],
+)  # fmt: skip
+def test_from_records_refuses_what_arrow_would_take_wrongly(records, message):
+    """A typo in a turn field, a string for a list, records that are not dicts: Arrow
+    would build each silently (null fields, ['B', 'o', 'b'], an AttributeError inside)."""
+    with pytest.raises(BatchValidationError) as err:
+        TrajectoryBatch.from_records(records)
+    assert message in str(err.value)
+
+
 def test_records_round_trip_and_types():
     recs = [record("t0"), record("t1", turns=3, answer="Ada Quill")]
     batch = TrajectoryBatch.from_records(recs)

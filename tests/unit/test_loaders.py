@@ -96,6 +96,25 @@ def test_corpus_file_problems(tmp_path):
     assert len([d for b in iter_corpus(dup, check_duplicates=False) for d in b]) == 2
 
 
+def test_a_file_that_is_not_utf8_names_its_line(tmp_path):
+    """Not a bare UnicodeDecodeError: the file, the line, the byte and how to convert it,
+    for the corpus and the question set alike, plain or gzipped."""
+    good = json.dumps({"id": "1", "contents": "Paris\nA city."}).encode() + b"\n"
+    bad = '{"id": "2", "contents": "Caf\u00e9\\nA place."}\n'.encode("latin-1")
+    (tmp_path / "c.jsonl").write_bytes(good + bad)
+    with pytest.raises(DataFormatError, match=r"c\.jsonl:2: not UTF-8 \(byte 0xe9 at column 29\)"):
+        load_corpus(tmp_path / "c.jsonl")
+    with gzip.open(tmp_path / "c.jsonl.gz", "wb") as f:
+        f.write(good + bad)
+    with pytest.raises(DataFormatError, match=r"c\.jsonl\.gz:2: not UTF-8.*iconv"):
+        load_corpus(tmp_path / "c.jsonl.gz")
+    (tmp_path / "q.jsonl").write_bytes(
+        '{"question": "Qui\u00e9n?", "golden_answers": ["a"]}\n'.encode("cp1252")
+    )
+    with pytest.raises(DataFormatError, match=r"q\.jsonl:1: not UTF-8"):
+        load_qa(tmp_path / "q.jsonl")
+
+
 # -------------------------------------------------------------------------- questions
 def _parquet(path, rows):
     pq.write_table(pa.Table.from_pylist(rows), path)

@@ -42,6 +42,28 @@ def test_help_and_bad_flags():
     assert bad.returncode == 2 and "--pipeline.steps" in bad.stderr
 
 
+def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
+    """A resume folder that is not a checkpoint, an impossible split: refused before Ray
+    starts, in one line that says what to do, as argparse's errors are."""
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "pipeline.json").write_text("{}")
+    cases = [
+        (["--resume", str(tmp_path / "nope")], "--resume .*nope: no such folder; pass the "
+         "checkpoint folder"),
+        (["--resume", str(tmp_path / "half")], "--resume .*half: not a pipeline checkpoint \\(it has no learner\\)"),
+        (["--data.eval_questions", "-1"], "data.eval_questions=-1 must hold out at least one"),
+    ]  # fmt: skip
+    for flags, message in cases:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "pipelines" / "tspo.py"), *flags,
+             "--output_dir", str(tmp_path / "runs"), "--wandb", "disabled"],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 1, (flags, out.stderr[-2000:])
+        assert re.fullmatch(f"tspo.py: error: {message}.*\n", out.stderr), out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and "Started a local Ray" not in out.stderr
+
+
 @dataclass(frozen=True)
 class TSPORun(RunConfig):
     tspo: TSPOConfig = field(default_factory=TSPOConfig)

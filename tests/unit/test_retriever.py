@@ -143,6 +143,13 @@ def test_encoder_config_errors():
         EncoderConfig(max_length=0)
     with pytest.raises(FileNotFoundError, match="cannot load encoder"):
         Encoder(EncoderConfig(name="/nonexistent/encoder-folder", device="cpu"))
+    # a bare name next to a preset is refused at once, not after a trip to the hub
+    with pytest.raises(ValueError, match="'e5' is not a preset; did you mean 'e5-small-v2' or"):
+        EncoderConfig(name="e5")
+    with pytest.raises(ValueError, match="did you mean 'minilm'"):
+        EncoderConfig(name="MiniLM")
+    for fine in ("intfloat/e5-base-v2", "bert-base-uncased", "e5-base-v2"):
+        EncoderConfig(name=fine)
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -273,6 +280,17 @@ def test_load_refuses_another_corpus_or_encoder(tmp_path, corpus, encoder):
         DenseIndex.load(folder, corpus, e5_like)
     with pytest.raises(FileNotFoundError, match="holds no saved index"):
         DenseIndex.load(tmp_path / "empty", corpus, encoder)
+
+
+def test_a_damaged_index_file_names_the_folder_and_the_fix(tmp_path, corpus, encoder):
+    folder = DenseIndex.build(corpus, encoder).save(tmp_path / "idx")
+    data = (folder / "index.faiss").read_bytes()
+    (folder / "index.faiss").write_bytes(data[: len(data) // 2])  # cut off while written
+    with pytest.raises(ValueError, match=r"idx/index\.faiss is not a readable faiss index.*delete"):
+        DenseIndex.load(folder, corpus, encoder)
+    (folder / "index.faiss").write_bytes(b"not an index at all")
+    with pytest.raises(ValueError, match="not a readable faiss index"):
+        DenseIndex.load(folder, corpus, encoder)
 
 
 def test_dimension_mismatch(tmp_path, corpus, encoder):
