@@ -117,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=2))
     plot_path = args.plot or args.out.with_suffix(".png")
     plot_curves(report, plot_path)
-    print(table(report))
-    print(f"wrote {args.out} and {plot_path}")
+    text = table(report)
+    args.out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')} and {plot_path}")
     return 0
 
 
@@ -146,8 +148,15 @@ def recorded_runs(path: Path, settings: list[str]) -> dict[tuple[str, int], dict
                 "--runs-dir"
             )
         run = {k: v for k, v in row.items() if k not in ("method", "settings")}
+        folder = path.parent / run_name(row["method"], run["seed"])
+        if (folder / "summary.json").is_file():  # read again: figures added since count too
+            run = {**run, **collect(folder, row["method"])}
         done[row["method"], run["seed"]] = run
     return done
+
+
+def run_name(method: str, seed: int) -> str:
+    return f"{method}-seed{seed}"
 
 
 def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict:
@@ -158,7 +167,7 @@ def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict
     script, cls_name = METHODS[method]
     run_cls = run_config_class(ROOT / "pipelines" / script, cls_name)
     argv = [
-        "--name", f"{method}-seed{seed}", "--output_dir", str(runs_dir), "--wandb", "disabled",
+        "--name", run_name(method, seed), "--output_dir", str(runs_dir), "--wandb", "disabled",
         "--pipeline.seed", str(seed), "--generator.seed", str(seed), "--learner.seed", str(seed),
         # one warm-start per seed (the seed picks the held-out split), shared by the methods
         "--warm_start.folder", str(runs_dir / f"warm_start-seed{seed}"),
@@ -174,41 +183,72 @@ def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict
         print(f"{method} seed {seed}: {stale} is left from a run that did not finish; redone")
         shutil.rmtree(stale)
     start = time.perf_counter()
-    summary = train(cfg, method)
-    seconds = time.perf_counter() - start
+    train(cfg, method)
+    return {"seed": seed, "seconds": time.perf_counter() - start, **collect(stale, method)}
+
+
+def collect(folder: Path, method: str) -> dict:
+    """What the study keeps of a finished run, read from its folder (summary.json and
+    metrics.jsonl): held-out EM before and after (all and per data source) with the
+    paired changes, searches per trajectory, and per step the training reward, the shares
+    of all-wrong and zero-advantage groups and the estimator's own counters."""
+    summary = json.loads((folder / "summary.json").read_text())
     rows = [
         json.loads(line)
-        for line in (runs_dir / cfg.name / "metrics.jsonl").read_text().splitlines()
+        for line in (folder / "metrics.jsonl").read_text().splitlines()
         if line.strip()
     ]
-    before, after = summary["eval_before"], summary["eval_after"]
+    before, after, change = summary["eval_before"], summary["eval_after"], summary["eval_change"]
+    prefix = f"{summary['estimator']}/"
+    counters = sorted({k for r in rows for k in r if k.startswith(prefix)})
     return {
-        "seed": seed,
-        "seconds": seconds,
         "em_before": before["em"],
+        "em_before_by_source": before["em_by_source"],
         "em_after": after["em"],
         "em_after_by_source": after["em_by_source"],
-        "em_change": summary["eval_change"]["all"],
+        "em_change": change["all"],
+        "em_change_by_source": {k: v for k, v in change.items() if k != "all"},
+        "searches_before": before.get("searches_per_traj"),
+        "searches_after": after.get("searches_per_traj"),
         "reward": [r.get("train/reward_mean", 0.0) for r in rows],
         "groups_all_wrong": [r.get("train/groups_all_wrong", math.nan) for r in rows],
         "groups_zero_advantage": [r.get("train/groups_zero_advantage", math.nan) for r in rows],
+        "estimator_counters": {k: [r.get(k, math.nan) for r in rows] for k in counters},
     }
 
 
 def aggregate(runs: list[dict]) -> dict:
-    """Across seeds: mean, std and a 95 % t-interval of held-out EM after training (and
-    per data source), the mean paired change, and mean shares and wall time."""
-    out = {"em_after": _interval([r["em_after"] for r in runs])}
+    """Across seeds: mean, std and a 95 % t-interval of held-out EM after training and of
+    its paired change from before (all questions and per data source), how many seeds'
+    own paired intervals exclude 0 either way, and mean shares, searches and wall time."""
+    out = {
+        "em_before": _interval([r["em_before"] for r in runs]),
+        "em_after": _interval([r["em_after"] for r in runs]),
+        "em_change": _interval([r["em_change"]["diff"] for r in runs]),
+        "seeds_with_significant_gain": sum(r["em_change"]["low"] > 0 for r in runs),
+        "seeds_with_significant_loss": sum(r["em_change"]["high"] < 0 for r in runs),
+    }
     sources = sorted({s for r in runs for s in r["em_after_by_source"]})
     out["em_after_by_source"] = {
         s: _interval([r["em_after_by_source"][s] for r in runs if s in r["em_after_by_source"]])
         for s in sources
     }
-    out["em_change"] = _interval([r["em_change"]["diff"] for r in runs])
-    out["seeds_with_significant_gain"] = sum(r["em_change"]["low"] > 0 for r in runs)
+    out["em_change_by_source"] = {
+        s: _interval(
+            [
+                r["em_change_by_source"][s]["diff"]
+                for r in runs
+                if s in r.get("em_change_by_source", {})
+            ]
+        )
+        for s in sources
+        if any(s in r.get("em_change_by_source", {}) for r in runs)
+    }
     for key in ("groups_all_wrong", "groups_zero_advantage"):
         values = [v for r in runs for v in r[key] if not math.isnan(v)]
         out[key] = mean(values) if values else None
+    searches = [r["searches_after"] for r in runs if r.get("searches_after") is not None]
+    out["searches_after"] = mean(searches) if searches else None
     out["seconds_per_run"] = mean(r["seconds"] for r in runs)
     return out
 
@@ -236,21 +276,42 @@ def _t975(dof: int) -> float:
 
 
 def table(report: dict) -> str:
-    lines = [
-        f"{'method':<10} {'EM after (95% CI)':>26} {'change':>8} {'sig. seeds':>10} "
-        f"{'all-wrong':>9} {'zero-adv':>8} {'s/run':>7}"
-    ]
-    for method, agg in report["methods"].items():
-        em = agg["em_after"]
-        ci = f"[{em['low']:.3f}, {em['high']:.3f}]" if em["low"] is not None else "(1 seed)"
-        zero = agg["groups_zero_advantage"]
-        lines.append(
-            f"{method:<10} {em['mean']:>8.3f} {ci:>17} {agg['em_change']['mean']:>+8.3f} "
-            f"{agg['seeds_with_significant_gain']:>4}/{em['n']:<5} "
-            f"{agg['groups_all_wrong'] or 0:>9.2f} "
-            f"{'n/a' if zero is None else f'{zero:.2f}':>8} {agg['seconds_per_run']:>7.0f}"
-        )
+    """The report as a Markdown table: EM after training with its interval across seeds,
+    the mean paired change (all, then per data source), seeds whose own paired interval
+    excludes 0, group shares, searches per trajectory and wall time per run."""
+    methods = report["methods"]
+    sources = sorted({s for agg in methods.values() for s in agg["em_change_by_source"]})
+    head = ["method", "seeds", "EM before", "EM after [95% CI]", "change [95% CI]"]
+    head += [f"{s} change" for s in sources]
+    head += ["seeds +/-", "all-wrong", "zero-adv", "searches", "s/run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, agg in methods.items():
+        change = agg["em_change"]
+        row = [
+            method,
+            str(agg["em_after"]["n"]),
+            f"{agg['em_before']['mean']:.3f}",
+            _with_ci(agg["em_after"], "{:.3f}"),
+            _with_ci(change, "{:+.3f}"),
+            *(_with_ci(agg["em_change_by_source"][s], "{:+.3f}") for s in sources),
+            f"{agg['seeds_with_significant_gain']}/{agg['seeds_with_significant_loss']}",
+            _fmt(agg["groups_all_wrong"], "{:.2f}"),
+            _fmt(agg["groups_zero_advantage"], "{:.2f}"),
+            _fmt(agg["searches_after"], "{:.2f}"),
+            f"{agg['seconds_per_run']:.0f}",
+        ]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _with_ci(stat: dict, fmt: str) -> str:
+    if stat["low"] is None:
+        return fmt.format(stat["mean"])
+    return f"{fmt.format(stat['mean'])} [{fmt.format(stat['low'])}, {fmt.format(stat['high'])}]"
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
 
 
 def plot_curves(report: dict, path: Path) -> None:

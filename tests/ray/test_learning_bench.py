@@ -37,7 +37,7 @@ def test_learning_bench_quick(ray_cluster, tmp_path):
         agg = report["methods"][method]
         assert agg["em_after"]["n"] == 1 and agg["em_after"]["low"] is None  # one seed: no CI
     assert (tmp_path / "learning.png").stat().st_size > 1000
-    assert "EM after (95% CI)" in out.stdout
+    assert "EM after [95% CI]" in out.stdout and (tmp_path / "learning.md").is_file()
 
 
 def test_t_interval_and_quantiles():
@@ -61,10 +61,13 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
         calls.append((method, seed))
         if len(calls) == 3 and fail["now"]:
             raise RuntimeError("machine lost")
+        change = {"diff": seed / 10, "low": -1, "high": 1}
         return {"seed": seed, "seconds": 1.0, "em_before": 0.5, "em_after": 0.5 + seed / 10,
-                "em_after_by_source": {"1hop": 0.5}, "em_change": {"diff": seed / 10, "low": -1},
-                "reward": [0.1, 0.2], "groups_all_wrong": [0.5, 0.5],
-                "groups_zero_advantage": [0.5, 0.5]}  # fmt: skip
+                "em_before_by_source": {"1hop": 0.5}, "em_after_by_source": {"1hop": 0.5},
+                "em_change": change, "em_change_by_source": {"1hop": change},
+                "searches_before": 1.0, "searches_after": 1.5, "reward": [0.1, 0.2],
+                "groups_all_wrong": [0.5, 0.5], "groups_zero_advantage": [0.5, 0.5],
+                "estimator_counters": {}}  # fmt: skip
 
     fail = {"now": True}
     monkeypatch.setattr(learning, "run_one", fake_run)
