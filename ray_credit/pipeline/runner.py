@@ -37,8 +37,10 @@ it was made with ``max_restarts`` (it comes back on the base weights, so the cur
 are re-sent before it gets work); one that is gone for good leaves the pool, and the run
 goes on with the others. A chunk that comes back generated with older weights than were
 sent before it (its generator restarted before the driver heard of the death) is redone
-too, and so is one whose batch was lost with its node. Every such event is counted
-(``pipeline/generator_failures``, ``pipeline/generators_lost``, ``pipeline/chunks_redone``,
+too, and so is one whose batch was lost with its node. A generator that hangs (has chunks
+in flight and finishes none for ``generation_timeout_s``) is killed, and then handled as
+one that died. Every such event is counted (``pipeline/generator_failures``,
+``pipeline/generators_lost``, ``pipeline/generators_hung``, ``pipeline/chunks_redone``,
 ``pipeline/stale_chunks_redone``, ``pipeline/chunks_lost``, ``sync/resyncs``). A stage
 that fails stops the run with an error naming the stage and the chunk's groups (the judge
 pool retries its own actors; the retriever is retried by the generators). While the loop
@@ -111,6 +113,11 @@ class PipelineConfig:
     timeout_s: float = 1800.0
     """Longest wait for one generate call, chunk's stages, learner update or weight
     publication."""
+    generation_timeout_s: float | None = None
+    """Longest a generator may go without finishing a chunk while it has one: past it the
+    generator is taken for hung, killed (Ray restarts it when it was made with
+    ``max_restarts``, else it leaves the pool) and its chunks go to the others. None:
+    ``timeout_s``. Set it above a chunk's slowest legitimate generation."""
     checkpoint_every: int = 0
     """Save every this many steps into ``checkpoint_dir`` (0: only at the end)."""
     checkpoint_dir: str | None = None
@@ -139,6 +146,11 @@ class PipelineConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.generation_timeout_s is not None and self.generation_timeout_s <= 0:
+            raise ValueError(
+                f"generation_timeout_s must be > 0 (None: timeout_s), got "
+                f"{self.generation_timeout_s}"
+            )
         if self.weight_sync not in ("object_store", "nccl", "gloo"):
             raise ValueError(
                 f"weight_sync must be 'object_store', 'nccl' or 'gloo', got {self.weight_sync!r}"
@@ -330,6 +342,9 @@ class Pipeline:
         self._next = 0  # stream index of the next group to dispatch
         self._chunks: dict[int, _Chunk] = {}  # by start index: not trained yet
         self._queued = [0] * len(self.generators)  # chunks in flight per generator
+        # when each generator last began or finished a chunk (monotonic): one with chunks in
+        # flight and no progress for generation_timeout_s is hung
+        self._progress = [0.0] * len(self.generators)
         self._epoch = [0] * len(self.generators)  # deaths handled per generator
         self._redo: list[_Chunk] = []  # lost with their generator, to dispatch first
         self._lost: set[int] = set()
@@ -342,6 +357,7 @@ class Pipeline:
             "pipeline/chunks_redone": 0.0,
             "pipeline/stale_chunks_redone": 0.0,
             "pipeline/chunks_lost": 0.0,
+            "pipeline/generators_hung": 0.0,
         }
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[int] = []  # stream indices trained, in order (for checks)
@@ -387,6 +403,8 @@ class Pipeline:
     def _submit(self, chunk: _Chunk, g: int) -> None:
         questions = [self.question_at(i) for i in range(chunk.start, chunk.start + chunk.size)]
         chunk.generator, chunk.epoch, chunk.min_version = g, self._epoch[g], self.version
+        if not self._queued[g]:  # an idle generator starts on it now
+            self._progress[g] = time.monotonic()
         self._queued[g] += 1
         call = self.generators[g].generate_chunk.options(num_returns=2)
         chunk.batch, chunk.summary_ref = call.remote(questions)
@@ -469,7 +487,16 @@ class Pipeline:
                 f"training (next group {self._next}, admissible below "
                 f"{self._admissible_end()})"
             )
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.config.timeout_s)
+        started = time.monotonic()
+        while True:  # wakes for a generator's deadline before the whole wait's timeout
+            deadline = self._generation_deadline()
+            left = self.config.timeout_s - (time.monotonic() - started)
+            wait = max(0.0, min(left, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            if ready or left <= wait:
+                break
+            if self._kill_hung():
+                return []  # their calls fail now; _handle picks that up on the next wait
         if not ready:
             waiting = sorted({what for what in pending.values()})
             raise TimeoutError(
@@ -477,6 +504,42 @@ class Pipeline:
                 f"{', '.join(waiting)} (a hung actor? raise pipeline.timeout_s if legitimate)"
             )
         return ready
+
+    def _generation_timeout(self) -> float:
+        return self.config.generation_timeout_s or self.config.timeout_s
+
+    def _generation_deadline(self) -> float:
+        """When the first generator with chunks in flight is due to finish one (monotonic)."""
+        busy = [
+            self._progress[g]
+            for g in range(len(self.generators))
+            if self._queued[g] and g not in self._lost
+        ]
+        return min(busy, default=math.inf) + self._generation_timeout()
+
+    def _kill_hung(self) -> bool:
+        """Kill each generator that has had chunks in flight and finished none for
+        generation_timeout_s; its calls then fail and their chunks are redone as a dead
+        generator's are (Ray restarts it when it has max_restarts)."""
+        import ray
+
+        now, killed = time.monotonic(), False
+        for g in range(len(self.generators)):
+            if not self._queued[g] or g in self._lost:
+                continue
+            if now - self._progress[g] < self._generation_timeout():
+                continue
+            print(
+                f"generator{g} finished no chunk in {self._generation_timeout():.0f}s with "
+                f"{self._queued[g]} in flight: taken for hung, killed (Ray restarts it when it "
+                "has max_restarts) and its chunks redone (pipeline.generation_timeout_s)",
+                flush=True,
+            )
+            self.failures["pipeline/generators_hung"] += 1
+            ray.kill(self.generators[g], no_restart=False)
+            self._progress[g] = now  # not killed again while its calls fail
+            killed = True
+        return killed
 
     def _pending(self) -> dict[Any, str]:
         pending: dict[Any, str] = {}
@@ -513,6 +576,7 @@ class Pipeline:
 
         g = chunk.generator
         self._queued[g] -= 1
+        self._progress[g] = time.monotonic()
         try:
             chunk.summary = ray.get(chunk.summary_ref)
         except ray.exceptions.RayActorError:

@@ -5,6 +5,7 @@ chunk with the driver holding refs only, resume."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -144,6 +145,49 @@ def test_generators_dying_mid_run_lose_no_group(ray_cluster, world, retriever, b
     assert last["pipeline/generator_failures"] == 2
     assert last["sync/resyncs"] == 1  # the restarted generator got the current weights
     assert ray_cluster.get(generators[0].get_policy_version.remote()) == 4
+    learner.shutdown()
+
+
+def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
+    ray_cluster, world, retriever, tmp_path
+):
+    """A generate call that never returns: within generation_timeout_s the generator is
+    taken for hung and killed, Ray restarts it, its chunks are redone (by it or the other),
+    and the run ends with every group trained once and the event counted."""
+    from ray_credit.actors.generator import Generator
+
+    class HangsOnce(Generator):
+        def __init__(self, marker, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.marker = marker
+
+        def generate_chunk(self, questions):
+            import os
+            import time
+
+            if not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                time.sleep(3600)  # hung: never returns (its process is killed instead)
+            return super().generate_chunk(questions)
+
+    hangs = ray_cluster.remote(HangsOnce).options(num_cpus=0.25, max_restarts=1)
+    generators = [
+        hangs.remote(str(tmp_path / "hung"), "tiny-random", retriever, GEN),
+        make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25),
+    ]
+    learner = LearnerGroup("tiny-random", LearnerConfig(lr=1e-3))
+    config = PipelineConfig(
+        steps=3, groups_per_step=4, chunk_groups=2, max_staleness=1, generation_timeout_s=15
+    )
+    pipeline = Pipeline(generators, learner, world.questions, [estimator_stage("grpo")], config)
+    started = time.monotonic()
+    history = pipeline.run()
+    assert pipeline.step == 3 and pipeline.trained_groups == list(range(12))
+    last = history[-1]
+    assert last["pipeline/generators_hung"] == 1 and last["pipeline/generator_failures"] == 1
+    assert last["pipeline/chunks_redone"] >= 1 and last["pipeline/generators_lost"] == 0
+    assert (tmp_path / "hung").exists() and time.monotonic() - started < 300
+    assert ray_cluster.get(generators[0].get_policy_version.remote()) == 3  # back, current
     learner.shutdown()
 
 
