@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     for item in settings:
         if "=" not in item:
             parser.error(f"--set takes SECTION.FIELD=VALUE, got {item!r}")
+        if item.split("=", 1)[0] in ("name", "output_dir", "wandb", "resume"):
+            parser.error(f"--set {item}: the study names and places its runs (--runs-dir)")
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -132,8 +134,11 @@ def recorded_runs(path: Path, settings: list[str]) -> dict[tuple[str, int], dict
     (method, seed). Runs of other settings are refused: they would not be comparable."""
     if not path.is_file():
         return {}
+    text = path.read_text()
+    if text and not text.endswith("\n"):  # cut off while written: the next record must
+        path.write_text(text[: text.rfind("\n") + 1])  # not be glued onto the fragment
     done = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -141,6 +146,12 @@ def recorded_runs(path: Path, settings: list[str]) -> dict[tuple[str, int], dict
         except json.JSONDecodeError:  # the last line of a record cut off while written
             print(f"{path}:{number}: not a whole record, ignored (that run is redone)")
             continue
+        if not isinstance(row, dict) or not {"method", "settings", "seed"} <= set(row):
+            raise ValueError(
+                f"{path}:{number}: not a run record of this study (one JSON object with "
+                "method, settings, seed, ... per line); remove the line or give another "
+                "--runs-dir"
+            )
         if row["settings"] != settings:
             raise ValueError(
                 f"{path} records runs with the settings {row['settings']}, not {settings}; "
@@ -178,7 +189,7 @@ def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict
     cfg = load_config(
         run_cls, method, argv, default_config=ROOT / "pipelines" / "configs" / "embedded.yaml"
     )
-    stale = runs_dir / cfg.name
+    stale = Path(cfg.output_dir).resolve() / cfg.name  # where train writes
     if stale.exists():
         print(f"{method} seed {seed}: {stale} is left from a run that did not finish; redone")
         shutil.rmtree(stale)
@@ -293,7 +304,12 @@ def table(report: dict) -> str:
             f"{agg['em_before']['mean']:.3f}",
             _with_ci(agg["em_after"], "{:.3f}"),
             _with_ci(change, "{:+.3f}"),
-            *(_with_ci(agg["em_change_by_source"][s], "{:+.3f}") for s in sources),
+            *(
+                _with_ci(agg["em_change_by_source"][s], "{:+.3f}")
+                if s in agg["em_change_by_source"]
+                else "n/a"
+                for s in sources
+            ),
             f"{agg['seeds_with_significant_gain']}/{agg['seeds_with_significant_loss']}",
             _fmt(agg["groups_all_wrong"], "{:.2f}"),
             _fmt(agg["groups_zero_advantage"], "{:.2f}"),

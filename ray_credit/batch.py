@@ -902,6 +902,19 @@ def _check_record(i: int, rec: Any) -> None:
                 f"record {i}: column {name!r} is a list ({spec.type}), got the string "
                 f"{value!r}; wrap it in a list: [{value!r}]"
             )
+        if isinstance(value, Mapping):
+            _fail(
+                f"record {i}: column {name!r} is a list ({spec.type}), got a dict; "
+                + ("give one dict per turn, in a list" if name == "turns" else "give a list")
+            )
+        if pa.types.is_list(spec.type.value_type):  # one list per turn: 'd1' is no list
+            for t, item in enumerate(value):
+                if isinstance(item, (str, bytes)):
+                    _fail(
+                        f"record {i}: column {name!r} holds one list per turn "
+                        f"({spec.type}); turn {t} has the string {item!r}: wrap it in a "
+                        f"list: [{item!r}]"
+                    )
         if name != "turns":
             continue
         for t, turn in enumerate(value):

@@ -38,6 +38,7 @@ import numpy as np
 
 from ray_credit.actors.sampling import SampledTurn, SamplingParams
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.config import InputError
 
 __all__ = ["ScriptedSampler", "WarmStartConfig", "demonstrate", "expert_turns", "warm_start"]
 
@@ -131,14 +132,14 @@ def expert_turns(
     """
     ids = question.get("supporting_doc_ids")
     if not ids:
-        raise ValueError(
+        raise InputError(
             f"warm_start needs supporting_doc_ids to demonstrate a question, and "
             f"{question.get('question', '')[:60]!r} has none (the synthetic world has them; "
             "for other data, turn the warm-start off or add them)"
         )
     missing = [i for i in ids if str(i) not in titles]
     if missing:
-        raise ValueError(f"supporting documents {missing} of a question are not in the corpus")
+        raise InputError(f"supporting documents {missing} of a question are not in the corpus")
     searches = [titles[str(i)] for i in ids][: gen.max_turns - 1]
     if detour is not None and _turn_to_spare(question, gen):
         searches.append(detour)
@@ -150,7 +151,7 @@ def expert_turns(
             prefix += gen.final_turn_prefix
         action = _action(kind, text, gen.action_style)
         if not action.startswith(prefix):
-            raise ValueError(
+            raise InputError(
                 f"the warm-start's expert writes {action!r} at turn {turn}, but the generator "
                 f"feeds {prefix!r} before that turn; the demonstrations need prefixes that "
                 "begin an action (e.g. response_prefix '<search>', final_turn_prefix "

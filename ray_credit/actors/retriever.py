@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from ray_credit.config import InputError
+
 if TYPE_CHECKING:  # pragma: no cover
     from ray.actor import ActorHandle
 
@@ -106,7 +108,7 @@ class Corpus:
                 )
             doc_id = doc.get("id")
             if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
-                raise ValueError(
+                raise InputError(
                     f"{source}: document {position} has id {doc_id!r}; every document needs "
                     "an 'id' (str or int)"
                 )
@@ -116,16 +118,16 @@ class Corpus:
             ids.append(str(doc_id))
             contents.append(text if isinstance(text, str) else "")
         if not ids:
-            raise ValueError(f"{source} is empty; a retriever needs at least one document")
+            raise InputError(f"{source} is empty; a retriever needs at least one document")
         if missing_contents:
-            raise ValueError(
+            raise InputError(
                 f"{source}: {len(missing_contents)} document(s) have no 'contents' (a non-blank "
                 f"str, title on the first line): ids {_preview(missing_contents)}"
             )
         if len(set(ids)) != len(ids):
             seen: set[str] = set()
             duplicates = sorted({i for i in ids if i in seen or seen.add(i)})
-            raise ValueError(
+            raise InputError(
                 f"{source}: duplicate document ids {_preview(duplicates)}; ids must be unique"
             )
         self.ids = ids
@@ -510,7 +512,7 @@ class DenseIndex:
             )
         try:
             index = faiss.read_index(str(folder / _INDEX_FILE))
-        except RuntimeError as err:  # faiss's C++ message: a truncated or foreign file
+        except (RuntimeError, MemoryError) as err:  # faiss: a cut-off or foreign file
             first = str(err).strip().splitlines()[0] if str(err).strip() else "unreadable"
             raise ValueError(
                 f"{folder / _INDEX_FILE} is not a readable faiss index (faiss: {first}); it "

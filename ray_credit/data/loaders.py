@@ -62,31 +62,61 @@ def _existing(path: str | os.PathLike, what: str) -> Path:
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
-    """``(line number, object)`` for each non-blank line of a jsonl file."""
-    with _open_bytes(path) as lines:  # decoded line by line: an error names its line
-        for number, raw in enumerate(lines, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataFormatError(
-                    f"{path}:{number}: not UTF-8 (byte {raw[err.start]:#04x} at column "
-                    f"{err.start + 1}); save the file as UTF-8, e.g. `iconv -f latin1 -t "
-                    f"utf-8 {path.name}` if it is Latin-1"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(
-                    f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each "
-                    "line must be one JSON object"
-                ) from None
-            if not isinstance(obj, dict):
-                raise DataFormatError(
-                    f"{path}:{number}: expected a JSON object, got {type(obj).__name__}"
-                )
-            yield number, obj
+    """``(line number, object)`` for each non-blank line of a jsonl file (UTF-8, a BOM
+    allowed; lines end in \\n, \\r\\n or \\r)."""
+    with _open_bytes(path) as stream:
+        try:
+            head = stream.peek(4)[:4] if hasattr(stream, "peek") else b""
+        except gzip.BadGzipFile as err:
+            raise DataFormatError(f"{path}: named .gz but not gzip data ({err})") from None
+        if head[:2] == b"\x1f\x8b":
+            raise DataFormatError(
+                f"{path}: gzip-compressed data in a file not named .gz; rename it "
+                f"{path.name}.gz (or decompress it)"
+            )
+        if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise DataFormatError(
+                f"{path}: UTF-16 text; save it as UTF-8, e.g. `iconv -f utf-16 -t utf-8 "
+                f"{path.name}`"
+            )
+        number = 0
+        try:
+            for raw in stream:  # decoded line by line: an error names its line
+                for part in raw.splitlines():  # a file with bare \r endings is one raw line
+                    number += 1
+                    obj = _json_line(path, number, part)
+                    if obj is not None:
+                        yield number, obj
+        except (gzip.BadGzipFile, EOFError) as err:
+            raise DataFormatError(
+                f"{path}: the gzip data is damaged or cut off after line {number} ({err})"
+            ) from None
+
+
+def _json_line(path: Path, number: int, raw: bytes) -> dict | None:
+    """One line's object, None for a blank line."""
+    try:
+        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as err:
+        convert = f"iconv -f latin1 -t utf-8 {path.name}"
+        if path.suffix == ".gz":
+            convert = f"zcat {path.name} | iconv -f latin1 -t utf-8 | gzip"
+        raise DataFormatError(
+            f"{path}:{number}: not UTF-8 (byte {raw[err.start]:#04x} at column "
+            f"{err.start + 1}); save the file as UTF-8, e.g. `{convert}` if it is Latin-1"
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataFormatError(
+            f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each "
+            "line must be one JSON object"
+        ) from None
+    if not isinstance(obj, dict):
+        raise DataFormatError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def _corpus_doc(obj: Mapping[str, Any], where: str) -> dict:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_credit.batch import ROLLOUT_COLUMNS
-from ray_credit.config import apply_overrides
+from ray_credit.config import InputError, apply_overrides
 from ray_credit.estimators import Estimator, get_estimator
 from ray_credit.signals import JudgedSignal, Signal, get_signal
 
@@ -100,7 +100,7 @@ def make_plan(
     provided = set(ROLLOUT_COLUMNS) | {c for s in signals for c in s.columns}
     missing = [c for c in est.requires if c not in provided]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"estimator {est.name!r} reads {missing}, which neither a rollout nor its declared "
             f"signals {list(est.signals)} write; declare the signal that makes them "
             "(Estimator(signals={...}))"
@@ -109,13 +109,13 @@ def make_plan(
     for signal in signals:
         if signal.service == "judge":
             if backend is None:
-                raise ValueError(
+                raise InputError(
                     f"estimator {est.name!r} needs the {signal.name} signal from a judge: the "
                     "run config needs a judge section (JudgeConfig)"
                 )
             question_signals += _check_judged(signal, backend, questions)
         elif config.pipeline.weight_sync != "object_store":
-            raise ValueError(
+            raise InputError(
                 f"the {signal.name} signal scores with the current policy, whose weights reach "
                 f"the scorer through the object store; pipeline.weight_sync="
                 f"{config.pipeline.weight_sync!r} broadcasts to generators only: use "
@@ -123,7 +123,7 @@ def make_plan(
             )
     estimator_config = getattr(config, est.name, None)
     if not isinstance(estimator_config, est.config_cls):
-        raise ValueError(
+        raise InputError(
             f"{type(config).__name__} needs a section '{est.name}: {est.config_cls.__name__}' "
             f"for the estimator's settings (the section is named after the estimator)"
         )
@@ -143,7 +143,7 @@ def _check_judged(
     cannot judge it with this data)."""
     needs = signal.requires("evidence" if backend == "evidence" else "llm")
     if "supporting_doc_ids" in needs and not any(q.get("supporting_doc_ids") for q in questions):
-        raise ValueError(
+        raise InputError(
             f"the evidence judge gives the {signal.name} signal from supporting documents, and "
             "no training question has supporting_doc_ids; use an LLM judge: --judge.backend "
             "hf --judge.model M, or --judge.backend openai --judge.base_url URL --judge.model M"

@@ -266,22 +266,45 @@ def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig
 
 def check_resume_folder(folder: str) -> None:
     """Refuse ``--resume FOLDER`` before Ray starts unless it is a whole checkpoint: the
-    pipeline's state and the learner's part (what :meth:`Pipeline.save` writes)."""
+    pipeline's state (readable JSON) and the learner's part (what :meth:`Pipeline.save`
+    writes)."""
     from ray_credit.config import InputError, InputFileNotFoundError
     from ray_credit.pipeline.runner import _STATE_FILE
 
     path = Path(folder)
-    if not path.is_dir():
-        raise InputFileNotFoundError(
-            f"--resume {folder}: no such folder; pass the checkpoint folder of the run to "
-            "continue (output_dir/name/checkpoint)"
+    usage = "pass the checkpoint folder a run wrote (output_dir/name/checkpoint)"
+    if (path / "checkpoint" / _STATE_FILE).is_file():
+        raise InputError(
+            f"--resume {folder}: that is a run's folder; its checkpoint is "
+            f"{path / 'checkpoint'}: --resume {path / 'checkpoint'}"
         )
+    if not path.is_dir():
+        # a save cut off between its two renames leaves the new checkpoint (whole once its
+        # state file is written, the last thing a save writes) beside the previous one
+        whole = [
+            Path(f"{folder}{suffix}")
+            for suffix in (".tmp", ".old")
+            if (Path(f"{folder}{suffix}") / _STATE_FILE).is_file()
+        ]
+        note = (
+            f" (a save was cut off: {whole[0]} is a whole checkpoint, the newest there is; "
+            f"rename it to {folder} to resume from it)"
+            if whole
+            else ""
+        )
+        raise InputFileNotFoundError(f"--resume {folder}: no such folder{note}; {usage}")
     missing = [p for p in (_STATE_FILE, "learner") if not (path / p).exists()]
     if missing:
         raise InputError(
-            f"--resume {folder}: not a pipeline checkpoint (it has no {' and no '.join(missing)}); "
-            "pass the checkpoint folder a run wrote (output_dir/name/checkpoint)"
+            f"--resume {folder}: not a pipeline checkpoint (it has no "
+            f"{' and no '.join(missing)}); {usage}"
         )
+    try:
+        json.loads((path / _STATE_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(
+            f"--resume {folder}: {_STATE_FILE} is damaged ({err}); resume from an intact checkpoint"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- data
@@ -301,6 +324,11 @@ def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dic
         if data.corpus is None:
             raise InputError(
                 f"data.questions={data.questions!r} needs data.corpus (FlashRAG jsonl)"
+            )
+        if not Path(data.corpus).is_file():
+            raise InputError(
+                f"data.corpus {data.corpus!r} does not exist (or is not a file); give a "
+                "FlashRAG jsonl corpus the driver can read"
             )
         corpus, questions = data.corpus, load_qa(data.questions)
     if data.eval_file is not None:

@@ -84,6 +84,8 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     fail["now"], calls[:] = False, []
     assert learning.main(argv) == 0
     assert calls == [("grpo", 1), ("tspo", 1)]  # only what was not finished
+    # the fragment was cut away before the new records were appended: all four are whole
+    assert len(learning.recorded_runs(tmp_path / "runs" / "runs.jsonl", ["pipeline.steps=2"])) == 4
     out = capsys.readouterr().out
     assert out.count("reused from") == 2 and "not a whole record" in out
     report = json.loads((tmp_path / "l.json").read_text())
@@ -92,3 +94,11 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         learning.main([*argv[:-4], "--set", "pipeline.steps=3", *argv[-4:]])
     assert "give the same --set" in capsys.readouterr().err
+    with (tmp_path / "runs" / "runs.jsonl").open("a") as f:
+        f.write("[1, 2]\n")
+    with pytest.raises(SystemExit):
+        learning.main(argv)
+    assert "runs.jsonl:5: not a run record of this study" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        learning.main([*argv, "--set", "name=x"])
+    assert "the study names and places its runs" in capsys.readouterr().err

@@ -61,6 +61,9 @@ def test_schema_documents_every_column():
         ([record(), tuple(record().items())], "record 1 is a tuple, not a dict"),
         ([{**record(), "turns": ["search Velmora"]}], "record 0: turn 0 is a str, not a dict"),
         (record(), "got one dict; wrap it in a list"),
+        ([{**record(), "turns": {"text": "x"}}], "column 'turns' is a list (list<item: struct"),
+        ([record(turn_doc_ids=["d1", "d2"])], "column 'turn_doc_ids' holds one list per turn "
+         "(list<item: list<item: string>>); turn 0 has the string 'd1': wrap it in a list"),
     ],
 )  # fmt: skip
 def test_from_records_refuses_what_arrow_would_take_wrongly(records, message):

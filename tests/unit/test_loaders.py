@@ -115,6 +115,30 @@ def test_a_file_that_is_not_utf8_names_its_line(tmp_path):
         load_qa(tmp_path / "q.jsonl")
 
 
+def test_bom_bare_cr_and_misnamed_or_damaged_gzip(tmp_path):
+    line = json.dumps({"id": "1", "contents": "Paris\nA city."}).encode()
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + line + b"\n")
+    (tmp_path / "cr.jsonl").write_bytes(line + b"\r" + line.replace(b'"1"', b'"2"') + b"\r")
+    assert [len(load_corpus(tmp_path / n)) for n in ("bom.jsonl", "cr.jsonl")] == [1, 2]
+    (tmp_path / "z.jsonl").write_bytes(gzip.compress(line))
+    with pytest.raises(
+        DataFormatError, match="gzip-compressed data in a file not named .gz; rename"
+    ):
+        load_corpus(tmp_path / "z.jsonl")
+    (tmp_path / "not.jsonl.gz").write_bytes(line)
+    with pytest.raises(DataFormatError, match="named .gz but not gzip data"):
+        load_corpus(tmp_path / "not.jsonl.gz")
+    many = b"".join(line.replace(b'"1"', f'"{i}"'.encode()) + b"\n" for i in range(3000))
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(many)[:2000])
+    with pytest.raises(
+        DataFormatError, match=r"cut\.jsonl\.gz: the gzip data is damaged or cut off"
+    ):
+        load_corpus(tmp_path / "cut.jsonl.gz")
+    (tmp_path / "u16.jsonl").write_bytes(line.decode().encode("utf-16"))
+    with pytest.raises(DataFormatError, match="UTF-16 text; save it as UTF-8"):
+        load_corpus(tmp_path / "u16.jsonl")
+
+
 # -------------------------------------------------------------------------- questions
 def _parquet(path, rows):
     pq.write_table(pa.Table.from_pylist(rows), path)

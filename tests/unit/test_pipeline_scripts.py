@@ -47,11 +47,23 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
     starts, in one line that says what to do, as argparse's errors are."""
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "pipeline.json").write_text("{}")
+    for folder in ("run/checkpoint", "cut.tmp", "damaged/learner"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "pipeline.json").write_text("{}")
+    (tmp_path / "cut.tmp" / "pipeline.json").write_text("{}")
+    (tmp_path / "damaged" / "pipeline.json").write_text('{"step": ')
     cases = [
         (["--resume", str(tmp_path / "nope")], "--resume .*nope: no such folder; pass the "
          "checkpoint folder"),
         (["--resume", str(tmp_path / "half")], "--resume .*half: not a pipeline checkpoint \\(it has no learner\\)"),
         (["--data.eval_questions", "-1"], "data.eval_questions=-1 must hold out at least one"),
+        (["--resume", str(tmp_path / "run")], "--resume .*run: that is a run's folder; its "
+         "checkpoint is .*run/checkpoint"),
+        (["--resume", str(tmp_path / "cut")], "--resume .*cut: no such folder \\(a save was cut "
+         "off: .*cut.tmp is a whole checkpoint"),
+        (["--resume", str(tmp_path / "damaged")], "--resume .*damaged: pipeline.json is damaged"),
+        (["--data.questions", str(tmp_path / "q.jsonl"), "--data.corpus", str(tmp_path / "no.jsonl")],
+         "data.corpus '.*no.jsonl' does not exist"),
     ]  # fmt: skip
     for flags, message in cases:
         out = subprocess.run(

@@ -148,8 +148,15 @@ def test_encoder_config_errors():
         EncoderConfig(name="e5")
     with pytest.raises(ValueError, match="did you mean 'minilm'"):
         EncoderConfig(name="MiniLM")
-    for fine in ("intfloat/e5-base-v2", "bert-base-uncased", "e5-base-v2"):
+    for fine in ("intfloat/e5-base-v2", "bert-base-uncased"):
         EncoderConfig(name=fine)
+
+
+def test_a_local_folder_named_like_a_preset_is_taken(tmp_path, monkeypatch):
+    (tmp_path / "e5").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert EncoderConfig(name="e5").model == "e5"  # the folder, not a slip
+    assert EncoderConfig(name=str(tmp_path / "e5")).model == str(tmp_path / "e5")
 
 
 # ---------------------------------------------------------------------------- corpus
