@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,53 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     assert set(result["correct"]) == set(summary["eval_before"]["correct"])
     assert set(result["em_by_source"]) <= {"synthetic_1hop", "synthetic_2hop"}
     assert "all" in stdout
+
+
+@pytest.mark.slow
+def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(ray_cluster, tmp_path):
+    """SIGKILL the driver of a run that checkpoints every step, once step 2 is logged:
+    its actors go with it, the newest checkpoint is whole, and --resume finishes the run
+    from there: the same final step, each step's groups trained once in the final
+    weights' lineage."""
+    from ray._private.state import actors  # the GCS's table: no dashboard needed
+
+    def alive():
+        return sum(a["State"] == "ALIVE" for a in actors().values())
+
+    before = alive()
+    args = [
+        *SMALL, "--output_dir", str(tmp_path), "--wandb", "disabled", "--pipeline.steps", "4",
+        "--pipeline.checkpoint_every", "1", "--warm_start.enabled", "false",
+        "--eval.enabled", "false",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    out = tmp_path / "tspo"
+    driver = subprocess.Popen(
+        [sys.executable, str(ROOT / "pipelines" / "tspo.py"), *args],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and driver.poll() is None:
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert driver.poll() is None, driver.stderr.read()[-3000:]  # still mid-run
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=30)
+    deadline = time.monotonic() + 60  # Ray reaps a dead driver's actors
+    while alive() > before and time.monotonic() < deadline:
+        time.sleep(1)
+    assert alive() == before
+    state = json.loads((out / "checkpoint" / "pipeline.json").read_text())
+    assert 1 <= state["step"] <= 3  # the newest whole checkpoint, never a half-written one
+
+    stdout = run("tspo.py", [*args, "--resume", str(out / "checkpoint")], ray_cluster)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["groups_trained"] == 8
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r["pipeline/step"] for r in rows][-(4 - state["step"]) :]
+    assert resumed == list(range(state["step"] + 1, 5)) and "step 4/4" in stdout
 
 
 @pytest.mark.slow
