@@ -78,6 +78,10 @@ class InfoGainScorer:
         self.max_batch_tokens = max_batch_tokens
         self.policy_version = 0
 
+    def get_policy_version(self) -> int:
+        """The version of the weights it scores with (0: the base model's)."""
+        return self.policy_version
+
     def update_weights(self, version: int, weights: Mapping[str, Any]) -> int:
         """Adopt the policy's weights of ``version`` (versions only move forward)."""
         from ray_credit.models import load_weights_checked
@@ -215,12 +219,15 @@ def make_scorer_actor(
     num_cpus: float = 1,
     num_gpus: float = 0,
     resources: dict | None = None,
+    max_restarts: int = 0,
     **kwargs: Any,
 ):
-    """Start an :class:`InfoGainScorer` as a Ray actor; resources come from the caller."""
+    """Start an :class:`InfoGainScorer` as a Ray actor; resources come from the caller.
+    ``max_restarts``: how often Ray may restart it after its process dies (it comes back
+    on the base weights; the pipeline re-sends the current ones and redoes the chunk)."""
     import ray
 
     actor = ray.remote(InfoGainScorer).options(
-        num_cpus=num_cpus, num_gpus=num_gpus, resources=resources
+        num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=max_restarts
     )
     return actor.remote(*args, **kwargs)

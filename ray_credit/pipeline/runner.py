@@ -43,7 +43,11 @@ one that died. Every such event is counted (``pipeline/generator_failures``,
 ``pipeline/generators_lost``, ``pipeline/generators_hung``, ``pipeline/chunks_redone``,
 ``pipeline/stale_chunks_redone``, ``pipeline/chunks_lost``, ``sync/resyncs``). A stage
 that fails stops the run with an error naming the stage and the chunk's groups (the judge
-pool retries its own actors; the retriever is retried by the generators). While the loop
+pool retries its own actors; the retriever is retried by the generators), except when a
+weight target (the info-gain scorer) died under it: the loop waits for Ray to restart it,
+re-sends the current weights and runs the chunk's stages again
+(``pipeline/weight_target_failures``, ``pipeline/stages_redone``); a scorer gone for good
+stops the run, since every later chunk would lack its signal. While the loop
 waits for a restarted generator, or writes a checkpoint, it dispatches nothing: the
 learner may sit idle for that long.
 
@@ -160,7 +164,15 @@ class PipelineConfig:
 
 
 class StageError(RuntimeError):
-    """A stage failed on a chunk; the message names the stage and the chunk's groups."""
+    """A stage failed on a chunk; the message names the stage and the chunk's groups.
+    ``actor_id``: the actor whose death failed it (hex), when one did."""
+
+    def __init__(self, message: str, actor_id: str | None = None):
+        super().__init__(message)
+        self.actor_id = actor_id
+
+    def __reduce__(self):  # crosses the stage task's boundary with its actor id
+        return (StageError, (str(self), self.actor_id))
 
 
 def actor_stage(method: Any, *, name: str | None = None, timeout_s: float = 1800.0) -> Callable:
@@ -205,7 +217,10 @@ def _run_stages(stages: Sequence[Callable], batches: Sequence[Any]) -> tuple[Any
         try:
             batch = stage(batch)
         except Exception as err:
-            raise StageError(f"stage {name!r} failed: {type(err).__name__}: {err}") from err
+            died = err.actor_id if isinstance(err, ray.exceptions.RayActorError) else None
+            raise StageError(
+                f"stage {name!r} failed: {type(err).__name__}: {err}", actor_id=died
+            ) from err
         if not isinstance(batch, TrajectoryBatch):
             raise StageError(f"stage {name!r} returned {type(batch).__name__}, not a batch")
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
@@ -325,6 +340,11 @@ class Pipeline:
         names = [f"generator{i}" for i in range(len(self.generators))] + [
             f"target{i}" for i in range(len(weight_targets))
         ]
+        # a weight target (the scorer) that dies fails the stage calling it: its index in
+        # the publisher's targets, by the actor id the error names
+        self._target_index = {
+            t._actor_id.hex(): len(self.generators) + i for i, t in enumerate(weight_targets)
+        }
         if cfg.weight_sync != "object_store" and weight_targets:
             raise ValueError(
                 f"weight_sync={cfg.weight_sync!r} broadcasts to generators only; the weight "
@@ -358,6 +378,8 @@ class Pipeline:
             "pipeline/stale_chunks_redone": 0.0,
             "pipeline/chunks_lost": 0.0,
             "pipeline/generators_hung": 0.0,
+            "pipeline/stages_redone": 0.0,
+            "pipeline/weight_target_failures": 0.0,
         }
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[int] = []  # stream indices trained, in order (for checks)
@@ -615,6 +637,15 @@ class Pipeline:
                 # the batch went with its node (the generator's): generate it again
                 self._redo_chunk(chunk, "pipeline/chunks_lost")
                 return
+            target = self._target_index.get(getattr(err.cause, "actor_id", None))
+            if target is not None:  # StageError names the actor whose death failed it
+                # the scorer died under the stage: once it is back on the current
+                # weights, the chunk's stages run again (the batch is still there)
+                self._recover_target(target)
+                self.failures["pipeline/stages_redone"] += 1
+                chunk.staged = chunk.report_ref = chunk.report = None
+                self._start_stages(chunk)
+                return
             raise self._stage_error(err, f"groups {chunk.groups}") from err
 
     def _report(self, ref: Any, what: str) -> dict:
@@ -734,6 +765,28 @@ class Pipeline:
                     "crash?) and give them max_restarts"
                 ) from None
 
+    def _recover_target(self, index: int) -> None:
+        """Weight target ``index`` (the scorer) died: wait until Ray has restarted it and
+        re-send the current weights. The run cannot go on without it (its signal would be
+        missing from every later chunk), so one gone for good stops the run, named."""
+        import ray
+
+        from ray_credit.pipeline.weights import WeightSyncError
+
+        name = self.publisher.names[index]
+        self.failures["pipeline/weight_target_failures"] += 1
+        try:
+            version = self._await_actor(self.publisher.targets[index], name)
+            published = self.publisher.version
+            if published is not None and version < published:  # back on older weights
+                self.publisher.resync(index)
+        except (ray.exceptions.RayActorError, WeightSyncError, TimeoutError) as err:
+            raise RuntimeError(
+                f"{name} (a weight target: the info-gain scorer) died and did not come back "
+                f"({type(err).__name__}: {err}); give it restarts "
+                "(resources.generator_max_restarts) or see its log (OOM? a crash?)"
+            ) from err
+
     def _publish(self) -> None:
         sends_itself = self.publisher.sends_itself
         self.publisher.publish(self.version, None if sends_itself else self.learner.weights())
@@ -742,21 +795,23 @@ class Pipeline:
         """Generator ``g``'s policy version once it answers (Ray restarted it and its model
         loaded, or it never died: a transient error); ``ActorDiedError`` if it is gone for
         good, ``TimeoutError`` if it does not answer within ``timeout_s``."""
+        return self._await_actor(self.generators[g], f"generator{g}")
+
+    def _await_actor(self, actor: Any, name: str) -> int:
+        """``actor``'s policy version once it answers (see :meth:`_await_restart`)."""
         import ray
 
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(
-                    f"generator{g} did not come back within {self.config.timeout_s:.0f}s"
-                )
+                raise TimeoutError(f"{name} did not come back within {self.config.timeout_s:.0f}s")
             try:
-                return ray.get(self.generators[g].get_policy_version.remote(), timeout=left)
+                return ray.get(actor.get_policy_version.remote(), timeout=left)
             except ray.exceptions.ActorUnavailableError:  # restarting: not reachable yet
                 time.sleep(0.5)
             except ray.exceptions.GetTimeoutError as err:
-                raise TimeoutError(f"generator{g} did not answer: {err}") from err
+                raise TimeoutError(f"{name} did not answer: {err}") from err
 
     def _wait_publication(self) -> None:
         """Wait for the weight publication in flight; a generator that died meanwhile is
@@ -767,13 +822,14 @@ class Pipeline:
             self.publisher.wait()
         except WeightSyncError as err:
             undead = {i for i, _ in err.failed} - set(err.died)
-            strangers = {i for i in err.died if i >= len(self.generators)}
-            if not err.died or undead or strangers:  # the learner's side, or not a death
+            if not err.died or undead:  # the learner's side, or not a death
                 raise
-            for g in err.died:
-                if not self._queued[g] and g not in self._lost:  # no call of its own to fail
-                    self._epoch[g] += 1
-                    self._recover(g)
+            for i in err.died:
+                if i >= len(self.generators):  # the scorer: back, then on current weights
+                    self._recover_target(i)
+                elif not self._queued[i] and i not in self._lost:  # no call of its own to fail
+                    self._epoch[i] += 1
+                    self._recover(i)
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, folder: str | os.PathLike) -> Path:

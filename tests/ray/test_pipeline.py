@@ -191,6 +191,34 @@ def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
     learner.shutdown()
 
 
+def test_a_scorer_killed_mid_run_comes_back_on_current_weights(ray_cluster, world, retriever):
+    """IGPO's info-gain scorer is killed after step 1: Ray restarts it (on the base
+    weights), the loop re-sends the current ones and redoes the stages that failed on it;
+    every group is trained once with info gains from the current policy."""
+    from ray_credit.actors.scorer import make_scorer_actor
+    from ray_credit.pipeline import actor_stage
+
+    generators, learner = _parts(retriever)
+    scorer = make_scorer_actor("tiny-random", num_cpus=0.25, max_restarts=1)
+
+    def kill(metrics):
+        if metrics["pipeline/step"] == 1:
+            ray_cluster.kill(scorer, no_restart=False)
+
+    stages = [actor_stage(scorer.score, name="info_gain"), estimator_stage("igpo")]
+    config = PipelineConfig(steps=3, groups_per_step=4, chunk_groups=2, max_staleness=1)
+    pipeline = Pipeline(
+        generators, learner, world.questions, stages, config, on_step=kill,
+        weight_targets=[scorer],
+    )  # fmt: skip
+    history = pipeline.run()
+    assert pipeline.step == 3 and pipeline.trained_groups == list(range(12))
+    last = history[-1]
+    assert last["pipeline/weight_target_failures"] >= 1 and last["sync/resyncs"] >= 1
+    assert ray_cluster.get(scorer.get_policy_version.remote()) == 3  # current again
+    learner.shutdown()
+
+
 def test_generator_retries_a_retriever_that_died(ray_cluster, tmp_path):
     from ray_credit.actors.generator import _Search
 
