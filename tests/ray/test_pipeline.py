@@ -219,6 +219,30 @@ def test_a_scorer_killed_mid_run_comes_back_on_current_weights(ray_cluster, worl
     learner.shutdown()
 
 
+def test_the_retriever_killed_mid_run_is_retried_by_the_generators(ray_cluster, world):
+    """The real retriever actor is killed after step 1: Ray restarts it (it rebuilds its
+    index), searches sent meanwhile wait for it (one in flight at the kill is retried and
+    counted in gen/retrieval_retries: the next test), and the run ends with every group
+    trained once."""
+    from ray._private.state import actors
+    retriever = make_retriever_actor(world.corpus, num_cpus=0.25)  # this test's own
+    generators, learner = _parts(retriever)
+
+    def kill(metrics):
+        if metrics["pipeline/step"] == 1:
+            ray_cluster.kill(retriever, no_restart=False)
+
+    config = PipelineConfig(steps=3, groups_per_step=4, chunk_groups=2, max_staleness=1)
+    pipeline = Pipeline(
+        generators, learner, world.questions, [estimator_stage("grpo")], config, on_step=kill
+    )
+    history = pipeline.run()
+    assert pipeline.step == 3 and pipeline.trained_groups == list(range(12))
+    assert actors()[retriever._actor_id.hex()]["NumRestarts"] == 1  # it did die
+    assert history[-1]["pipeline/generator_failures"] == 0  # nothing else had to give
+    learner.shutdown()
+
+
 def test_generator_retries_a_retriever_that_died(ray_cluster, tmp_path):
     from ray_credit.actors.generator import _Search
 
