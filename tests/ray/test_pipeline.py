@@ -33,7 +33,7 @@ def retriever(ray_cluster, world):
     return make_retriever_actor(world.corpus, num_cpus=0.25)
 
 
-def _parts(retriever, n_generators=2, resume_from=None, learner_config=None):
+def _parts(retriever, n_generators=2, resume_from=None, learner_config=None, **learner_kwargs):
     generators = [
         make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25)
         for _ in range(n_generators)
@@ -42,6 +42,7 @@ def _parts(retriever, n_generators=2, resume_from=None, learner_config=None):
         "tiny-random",
         learner_config or LearnerConfig(lr=1e-3),
         resume_from=None if resume_from is None else f"{resume_from}/learner",
+        **learner_kwargs,
     )
     return generators, learner
 
@@ -225,6 +226,7 @@ def test_the_retriever_killed_mid_run_is_retried_by_the_generators(ray_cluster, 
     counted in gen/retrieval_retries: the next test), and the run ends with every group
     trained once."""
     from ray._private.state import actors
+
     retriever = make_retriever_actor(world.corpus, num_cpus=0.25)  # this test's own
     generators, learner = _parts(retriever)
 
@@ -240,6 +242,47 @@ def test_the_retriever_killed_mid_run_is_retried_by_the_generators(ray_cluster, 
     assert pipeline.step == 3 and pipeline.trained_groups == list(range(12))
     assert actors()[retriever._actor_id.hex()]["NumRestarts"] == 1  # it did die
     assert history[-1]["pipeline/generator_failures"] == 0  # nothing else had to give
+    learner.shutdown()
+
+
+def test_a_learner_worker_killed_mid_run_stops_it_by_name_and_resume_completes(
+    ray_cluster, world, retriever, tmp_path
+):
+    """One rank of a two-worker learner is killed after step 3 of 4 (checkpoints every 2
+    steps): step 4's update fails naming the rank, and a run resumed from the step-2
+    checkpoint ends at step 4 with each group trained once in the final weights' lineage."""
+    from ray_credit.actors.learner_group import LearnerWorkerError
+
+    two = {"num_workers": 2, "resources_per_worker": {"CPU": 0.5}}
+    config = PipelineConfig(
+        steps=4, groups_per_step=4, chunk_groups=2, max_staleness=1, checkpoint_every=2,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )  # fmt: skip
+    generators, learner = _parts(retriever, **two)
+
+    def kill(metrics):
+        if metrics["pipeline/step"] == 3:
+            ray_cluster.kill(learner._workers[1])
+
+    first = Pipeline(
+        generators, learner, world.questions, [estimator_stage("grpo")], config, on_step=kill
+    )
+    with pytest.raises(LearnerWorkerError, match=r"learner rank 1 died during 'train'"):
+        first.run()
+    learner.shutdown()
+    for g in generators:
+        ray_cluster.kill(g)
+    state = json.loads((tmp_path / "ckpt" / "pipeline.json").read_text())
+    assert state["step"] == 2  # the last periodic checkpoint; step 3 was never saved
+
+    generators, learner = _parts(retriever, resume_from=tmp_path / "ckpt", **two)
+    second = Pipeline(
+        generators, learner, world.questions, [estimator_stage("grpo")], config,
+        resume_from=tmp_path / "ckpt",
+    )  # fmt: skip
+    history = second.run()
+    assert second.step == 4 and second.trained_groups == list(range(16))
+    assert [h["pipeline/step"] for h in history] == [3, 4]
     learner.shutdown()
 
 
