@@ -22,6 +22,7 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ray_credit.actors.retriever import (
@@ -35,6 +36,8 @@ from ray_credit.actors.retriever import (
 )
 
 __all__ = [
+    "LimitExceeded",
+    "RequestLimits",
     "RemoteRetriever",
     "RetrievalDeployment",
     "RetrievalServiceError",
@@ -46,6 +49,59 @@ __all__ = [
 
 class RetrievalServiceError(RuntimeError):
     """A retrieval server could not answer (after every retry), or answered malformed JSON."""
+
+
+class LimitExceeded(ValueError):
+    """A request over one of the server's :class:`RequestLimits`; ``status`` is its HTTP
+    status (413 for sizes, 400 for topk) and the message names the limit."""
+
+    def __init__(self, message: str, status: int = 413):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one ``/retrieve`` request may ask for; over a limit it gets a 4xx naming it
+    (and the setting that raises it), before any search work."""
+
+    max_queries: int = 1024
+    """Queries in one request."""
+    max_query_chars: int = 4096
+    """Characters in one query."""
+    max_topk: int = 100
+    """Documents per query (also never more than the corpus holds)."""
+    max_body_bytes: int = 16 * 2**20
+    """Bytes of one request body."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_queries", "max_query_chars", "max_topk", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def check_body(self, size: int) -> None:
+        if size > self.max_body_bytes:
+            raise LimitExceeded(
+                f"the body has {size} bytes, over the limit of {self.max_body_bytes} "
+                "(max_body_bytes); split the queries over several requests"
+            )
+
+    def check(self, queries: Sequence[str], topk: int) -> None:
+        if len(queries) > self.max_queries:
+            raise LimitExceeded(
+                f"{len(queries)} queries in one request, over the limit of {self.max_queries} "
+                "(max_queries); split them over several requests"
+            )
+        longest = max(range(len(queries)), key=lambda i: len(queries[i]), default=None)
+        if longest is not None and len(queries[longest]) > self.max_query_chars:
+            raise LimitExceeded(
+                f"query {longest} has {len(queries[longest])} characters, over the limit of "
+                f"{self.max_query_chars} (max_query_chars)"
+            )
+        if topk > self.max_topk:
+            raise LimitExceeded(
+                f"topk={topk} is over the limit of {self.max_topk} (max_topk)", status=400
+            )
 
 
 def parse_retrieve_request(body: Any) -> tuple[list[str], int, bool]:
@@ -104,7 +160,9 @@ class RetrievalDeployment:
         index_folder: str | os.PathLike | None = None,
         max_batch_queries: int = 256,
         batch_wait_ms: float = 2.0,
+        limits: RequestLimits | None = None,
     ) -> None:
+        self.limits = limits or RequestLimits()
         self.retriever = Retriever.create(
             corpus, encoder=encoder, index=index, index_folder=index_folder
         )
@@ -114,7 +172,7 @@ class RetrievalDeployment:
             batch_wait_ms=batch_wait_ms,
             max_topk=len(self.retriever.corpus),
         )
-        self._errors = {"bad_requests": 0, "server_errors": 0}
+        self._errors = {"bad_requests": 0, "server_errors": 0, "requests_over_limits": 0}
 
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
@@ -122,14 +180,25 @@ class RetrievalDeployment:
         if request.method != "POST":
             self._errors["bad_requests"] += 1
             return JSONResponse({"error": "use POST with a JSON body"}, status_code=405)
+        try:  # the declared size first: a body over the limit is not read at all
+            self.limits.check_body(int(request.headers.get("content-length") or 0))
+            raw = await request.body()
+            self.limits.check_body(len(raw))
+        except LimitExceeded as err:
+            self._errors["requests_over_limits"] += 1
+            return JSONResponse({"error": str(err)}, status_code=err.status)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError as err:
             self._errors["bad_requests"] += 1
             return JSONResponse({"error": f"the body is not JSON: {err}"}, status_code=400)
         try:
             queries, topk, return_scores = parse_retrieve_request(body)
+            self.limits.check(queries, topk)
             self.batcher.check(queries, topk)
+        except LimitExceeded as err:
+            self._errors["requests_over_limits"] += 1
+            return JSONResponse({"error": str(err)}, status_code=err.status)
         except (TypeError, ValueError) as err:
             self._errors["bad_requests"] += 1
             return JSONResponse({"error": str(err)}, status_code=400)
@@ -141,7 +210,8 @@ class RetrievalDeployment:
         return JSONResponse(retrieve_response(results, return_scores=return_scores))
 
     async def metrics(self) -> dict[str, float]:
-        """Retriever and batcher counters, plus bad_requests and server_errors."""
+        """Retriever and batcher counters, plus bad_requests, requests_over_limits and
+        server_errors."""
         return {**self.retriever.metrics(), **self.batcher.metrics(), **self._errors}
 
 
@@ -161,12 +231,14 @@ def serve_retriever(
     max_ongoing_requests: int = 256,
     max_batch_queries: int = 256,
     batch_wait_ms: float = 2.0,
+    limits: RequestLimits | None = None,
 ) -> str:
     """Deploy :class:`RetrievalDeployment` with Ray Serve; return the ``/retrieve`` URL.
 
     Serve's HTTP host and port are cluster-wide and set when Serve first starts: when it
     already runs elsewhere, ``host`` / ``port`` are not applied (Serve logs a warning) and
-    the returned URL is the one it listens on. ``max_ongoing_requests`` per replica must
+    the returned URL is the one it listens on. ``limits``: what one request may ask for
+    (:class:`RequestLimits`). ``max_ongoing_requests`` per replica must
     be large for requests to coalesce (Serve's default, 5, would cap a batch at 5).
     Pass the corpus as a ``.jsonl`` path for anything large: the deployment's arguments
     are stored by the Serve controller. Remove it with ``serve.delete(name)``.
@@ -194,6 +266,7 @@ def serve_retriever(
         index_folder=index_folder,
         max_batch_queries=max_batch_queries,
         batch_wait_ms=batch_wait_ms,
+        limits=limits,
     )
     serve.run(app, name=name, route_prefix=route_prefix)
     # Serve keeps the HTTP options it first started with; report where it really listens.

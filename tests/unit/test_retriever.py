@@ -21,6 +21,8 @@ pytest.importorskip("transformers")
 from ray_credit.actors import retriever as retriever_module  # noqa: E402
 from ray_credit.actors.retrieval_server import (  # noqa: E402
     RemoteRetriever,
+    RequestLimits,
+    RetrievalDeployment,
     RetrievalServiceError,
     parse_retrieve_request,
     retrieve_response,
@@ -428,6 +430,47 @@ def test_parse_retrieve_request():
     ]:
         with pytest.raises(ValueError, match=message):
             parse_retrieve_request(body)
+
+
+class _Request:
+    """What RetrievalDeployment reads of a Starlette request."""
+
+    def __init__(self, body: bytes, declared: int | None = None):
+        self.method = "POST"
+        self.headers = {"content-length": str(len(body) if declared is None else declared)}
+        self._body = body
+
+    async def body(self) -> bytes:
+        if int(self.headers["content-length"]) > 400:
+            raise AssertionError("a body declared over the limit is not read")
+        return self._body
+
+
+def test_requests_over_the_limits_get_a_4xx_naming_the_limit():
+    pytest.importorskip("starlette")
+    limits = RequestLimits(max_queries=2, max_query_chars=20, max_topk=3, max_body_bytes=400)
+    server = RetrievalDeployment(CORPUS_DOCS, index="flat", limits=limits)
+
+    def post(body, declared=None):
+        response = asyncio.run(server(_Request(json.dumps(body).encode(), declared)))
+        return response.status_code, json.loads(response.body)
+
+    status, reply = post({"queries": ["capital of France"], "topk": 1})
+    assert status == 200 and reply["result"][0][0]["id"] == "paris"
+    for body, declared, want, message in [
+        ({"queries": ["a", "b", "c"]}, None, 413, "3 queries in one request, over the limit "
+         "of 2 (max_queries)"),
+        ({"queries": ["ok", "x" * 21]}, None, 413, "query 1 has 21 characters, over the limit "
+         "of 20 (max_query_chars)"),
+        ({"queries": ["a"], "topk": 4}, None, 400, "topk=4 is over the limit of 3 (max_topk)"),
+        ({"queries": ["a"]}, 5000, 413, "the body has 5000 bytes, over the limit of 400 "
+         "(max_body_bytes)"),
+    ]:  # fmt: skip
+        status, reply = post(body, declared)
+        assert status == want and message in reply["error"], reply
+    assert asyncio.run(server.metrics())["requests_over_limits"] == 4
+    with pytest.raises(ValueError, match="max_topk must be >= 1"):
+        RequestLimits(max_topk=0)
 
 
 def test_retrieve_response_shapes(flat):
