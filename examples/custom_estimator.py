@@ -67,16 +67,21 @@ def train_with_it(steps: int) -> None:
     class DiscountedRun(RunConfig):
         discounted_grpo: DiscountedGRPOConfig = field(default_factory=DiscountedGRPOConfig)
 
+    out = tempfile.TemporaryDirectory(prefix="custom_estimator_")  # removed at the end
     argv = [
         "--name", "discounted-grpo", "--model", "tiny-random", "--wandb", "disabled",
-        "--output_dir", tempfile.mkdtemp(prefix="custom_estimator_"),
-        "--data.eval_questions", "4", "--pipeline.steps", str(steps),
-        "--pipeline.groups_per_step", "2", "--resources.learner_cpus", "1",
-        "--resources.eval_cpus", "1", "--discounted_grpo.gamma", "0.8",
+        "--output_dir", out.name, "--data.eval_questions", "4",
+        "--pipeline.steps", str(steps), "--pipeline.groups_per_step", "2",
+        "--resources.learner_cpus", "1", "--discounted_grpo.gamma", "0.8",
+        # a tiny random model: no warm-start or evaluation to show, and the transformers
+        # sampler starts in a second where a vLLM engine takes half a minute
+        "--warm_start.enabled", "false", "--eval.enabled", "false",
+        "--generator.backend", "transformers",
     ]  # fmt: skip
     embedded = Path(__file__).resolve().parents[1] / "pipelines/configs/embedded.yaml"
     cfg = load_config(DiscountedRun, "discounted_grpo", argv, default_config=embedded)
-    summary = train(cfg, "discounted_grpo")
+    with out:
+        summary = train(cfg, "discounted_grpo")
     last = summary["final_step_metrics"]
     print(
         f"trained {summary['steps']} steps with discounted_grpo: mean discount "

@@ -141,19 +141,24 @@ class GroundedRun(RunConfig):
 def train_with_it(steps: int, judge: str) -> None:
     """A training run of the estimator: the plan sees its declared signal and puts a judge
     stage before it (the evidence rule, or a local model on a judge actor)."""
+    out = tempfile.TemporaryDirectory(prefix="custom_signal_")  # removed at the end
     argv = [
         "--name", "grounded-grpo", "--model", "tiny-random", "--wandb", "disabled",
-        "--output_dir", tempfile.mkdtemp(prefix="custom_signal_"),
-        "--data.eval_questions", "4", "--pipeline.steps", str(steps),
-        "--pipeline.groups_per_step", "2", "--resources.learner_cpus", "1",
-        "--resources.eval_cpus", "1", "--eval.enabled", "false", "--generator.group_size", "4",
+        "--output_dir", out.name, "--data.eval_questions", "4",
+        "--pipeline.steps", str(steps), "--pipeline.groups_per_step", "2",
+        "--resources.learner_cpus", "1", "--eval.enabled", "false",
+        "--generator.group_size", "4",
+        # a tiny random model: no warm-start to show, and the transformers sampler starts
+        # in a second where a vLLM engine takes half a minute
+        "--warm_start.enabled", "false", "--generator.backend", "transformers",
     ]  # fmt: skip
     if judge == "hf":
         argv += ["--judge.backend", "hf", "--judge.model", "tiny-random"]
         argv += ["--resources.judge_cpus", "0.5"]
     embedded = Path(__file__).resolve().parents[1] / "pipelines/configs/embedded.yaml"
     cfg = load_config(GroundedRun, "grounded_grpo", argv, default_config=embedded)
-    summary = train(cfg, "grounded_grpo")
+    with out:
+        summary = train(cfg, "grounded_grpo")
     last = summary["final_step_metrics"]
     print(
         f"trained {summary['steps']} steps with grounded_grpo ({judge} judge): "

@@ -82,15 +82,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", help="an existing /retrieve endpoint (default: a stand-in)")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--backend", choices=("vllm", "transformers"), default="vllm",
+        help="the generators' sampler (the embedded settings' vllm; transformers starts "
+        "in a second on a tiny model)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--output-dir")
+    parser.add_argument("--output-dir", help="where the run's outputs go (default: a temp "
+                        "folder, removed at the end)")  # fmt: skip
     args = parser.parse_args()
 
     # TSPO's pipeline on the embedded settings, pointed at the server.
+    out = None if args.output_dir else tempfile.TemporaryDirectory(prefix="external_retriever_")
     flags = {
         "--name": "external-retriever",
         "--model": args.model,
-        "--output_dir": args.output_dir or tempfile.mkdtemp(prefix="external_retriever_"),
+        "--generator.backend": args.backend,
+        "--output_dir": args.output_dir or out.name,
         "--wandb": "disabled",
         "--data.eval_questions": 4,
         "--pipeline.steps": args.steps,
@@ -108,7 +116,11 @@ def main() -> None:
     with RemoteRetriever(url) as probe:  # what the generators will see
         top = probe.search(["Who founded the oldest city?"], 2)[0]
         print(f"server {url}: top hit {top[0]['title']!r} ({top[0]['score']:.3f})")
-    summary = train(replace(cfg, retriever=replace(cfg.retriever, url=url)), "tspo")
+    try:
+        summary = train(replace(cfg, retriever=replace(cfg.retriever, url=url)), "tspo")
+    finally:
+        if out is not None:
+            out.cleanup()
     last = summary["final_step_metrics"]
     print(
         f"trained {summary['steps']} steps against the external retriever: "
