@@ -23,7 +23,9 @@ boundary (its first search's result is already in the baseline); that variant is
 reproduced here.
 
 Each (trajectory, boundary) is one row of a batched forward pass, rows sorted by length
-into micro-batches; only the logits of the pseudo-response positions are computed.
+into micro-batches; only the logits of the pseudo-response positions are computed. A row
+that repeats another (every trajectory of a group has the same context before its first
+turn) is computed once (``scorer/rows_reused``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class InfoGainScorer:
         self.mode = mode
         self.max_batch_tokens = max_batch_tokens
         self.policy_version = 0
+        self._rows_computed = 0
 
     def get_policy_version(self) -> int:
         """The version of the weights it scores with (0: the base model's)."""
@@ -126,6 +129,7 @@ class InfoGainScorer:
             for k, end in enumerate(ends):
                 rows.append((ids[:end].tolist() + pseudo, int(end) + lo, int(end) + hi))
                 owners.append((i, k))
+        self._rows_computed = 0
         scores = self._mean_logprobs(rows)
         return self._with_gains(batch, owners, scores, time.perf_counter() - start)
 
@@ -150,7 +154,8 @@ class InfoGainScorer:
         valid = ~np.isnan(gains)
         column = _float_list_with_nulls(batch, gains, valid)
         metrics = {
-            "scorer/forward_rows": float(len(owners)),
+            "scorer/forward_rows": float(self._rows_computed),
+            "scorer/rows_reused": float(len(owners) - self._rows_computed),
             "scorer/nonfinite": float(nonfinite),
             "scorer/seconds": seconds,
             "scorer/policy_version": float(self.policy_version),
@@ -158,6 +163,23 @@ class InfoGainScorer:
         return batch.with_traj_columns({"turn_info_gain": column}, metrics=metrics)
 
     def _mean_logprobs(self, rows: list[tuple[list[int], int, int]]) -> list[float]:
+        """Mean log-prob of each row's gold span; a row repeated (the G trajectories of a
+        group share the context before their first turn, and often their first turns) is
+        computed once."""
+        first: dict[tuple, int] = {}
+        unique: list[tuple[list[int], int, int]] = []
+        where = []
+        for ids, lo, hi in rows:
+            key = (tuple(ids), lo, hi)
+            if key not in first:
+                first[key] = len(unique)
+                unique.append((ids, lo, hi))
+            where.append(first[key])
+        self._rows_computed += len(unique)
+        scores = self._mean_logprobs_batched(unique)
+        return [scores[u] for u in where]
+
+    def _mean_logprobs_batched(self, rows: list[tuple[list[int], int, int]]) -> list[float]:
         """Mean log-prob of each row's gold span, batched by length (left padding)."""
         import torch
 

@@ -105,6 +105,19 @@ def test_matches_direct_computation(mode):
         get_estimator(name)(out)
 
 
+def test_a_repeated_context_is_computed_once():
+    """Copies of a trajectory (a group's shared prompt, identical first turns) reuse the
+    first copy's rows: the same gains, fewer forward rows, the reuse counted."""
+    model, tokenizer = load_model("tiny-random")
+    scorer = InfoGainScorer((model, tokenizer), max_batch_tokens=64)
+    alone = scorer.score(token_batch(tokenizer, TRAJECTORIES))
+    twice = scorer.score(token_batch(tokenizer, TRAJECTORIES + TRAJECTORIES[:1]))
+    gains = twice.table.column("turn_info_gain").to_pylist()
+    assert gains[3] == gains[0] == alone.table.column("turn_info_gain").to_pylist()[0]
+    assert twice.metrics["scorer/forward_rows"] == 6 and twice.metrics["scorer/rows_reused"] == 3
+    assert alone.metrics["scorer/rows_reused"] == 0
+
+
 def test_gold_span_covers_exactly_the_answer():
     _, tokenizer = load_model("tiny-random")
     scorer = InfoGainScorer(load_model("tiny-random"))
