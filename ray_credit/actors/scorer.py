@@ -56,6 +56,9 @@ class InfoGainScorer:
             keep it current with :meth:`update_weights`.
         mode: ``"prob_diff"`` or ``"log_prob_diff"``.
         max_batch_tokens: padded tokens per forward pass (rows x longest row).
+        autocast: None, ``"bfloat16"`` or ``"float16"``: run the forward passes under
+            ``torch.autocast`` in that dtype (pipelines pass ``learner.autocast``: the
+            scorer reads the policy's beliefs with the numerics the learner trains with).
     """
 
     def __init__(
@@ -66,9 +69,12 @@ class InfoGainScorer:
         device: str = "cpu",
         dtype: str = "float32",
         max_batch_tokens: int = 16384,
+        autocast: str | None = None,
     ):
         from ray_credit.models import load_model
 
+        if autocast not in (None, "bfloat16", "float16"):
+            raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if max_batch_tokens < 1:
@@ -78,6 +84,7 @@ class InfoGainScorer:
         )
         self.mode = mode
         self.max_batch_tokens = max_batch_tokens
+        self.autocast = autocast
         self.policy_version = 0
         self._rows_computed = 0
 
@@ -183,6 +190,8 @@ class InfoGainScorer:
         """Mean log-prob of each row's gold span, batched by length (left padding)."""
         import torch
 
+        from ray_credit.actors.learner import autocast
+
         out = [math.nan] * len(rows)
         order = sorted(range(len(rows)), key=lambda r: len(rows[r][0]))
         device = next(self.model.parameters()).device
@@ -206,7 +215,7 @@ class InfoGainScorer:
             # Logits only for the tail that can hold a gold span (the pseudo-responses).
             keep = max(len(rows[r][0]) - rows[r][1] for r in chunk) + 1
             keep = min(keep, width)
-            with torch.inference_mode():
+            with torch.inference_mode(), autocast(device, self.autocast):
                 logits = self.model(
                     input_ids=ids.to(device),
                     attention_mask=mask.to(device),

@@ -542,6 +542,7 @@ def make_scorer(cfg: Any, plan: Plan):
         num_gpus=res.generator_gpus,
         resources=res.custom("generator"),
         device="cuda" if res.generator_gpus else "cpu",
+        autocast=cfg.learner.autocast,  # the policy's beliefs in the learner's numerics
         max_restarts=res.generator_max_restarts,
     )
 

@@ -118,6 +118,21 @@ def test_a_repeated_context_is_computed_once():
     assert alone.metrics["scorer/rows_reused"] == 0
 
 
+def test_autocast_reads_the_same_beliefs_in_bf16():
+    model, tokenizer = load_model("tiny-random")
+    batch = token_batch(tokenizer, TRAJECTORIES)
+    full = InfoGainScorer((model, tokenizer), mode="log_prob_diff").score(batch)
+    half = InfoGainScorer((model, tokenizer), mode="log_prob_diff", autocast="bfloat16")
+    for a, b in zip(
+        full.table.column("turn_info_gain").to_pylist(),
+        half.score(batch).table.column("turn_info_gain").to_pylist(),
+        strict=True,
+    ):
+        assert b[-1] is None and b[:-1] == pytest.approx(a[:-1], abs=0.05)
+    with pytest.raises(ValueError, match="autocast must be None, 'bfloat16' or 'float16'"):
+        InfoGainScorer((model, tokenizer), autocast="bf16")
+
+
 def test_gold_span_covers_exactly_the_answer():
     _, tokenizer = load_model("tiny-random")
     scorer = InfoGainScorer(load_model("tiny-random"))
