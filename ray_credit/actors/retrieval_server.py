@@ -180,13 +180,18 @@ class RetrievalDeployment:
         if request.method != "POST":
             self._errors["bad_requests"] += 1
             return JSONResponse({"error": "use POST with a JSON body"}, status_code=405)
-        try:  # the declared size first: a body over the limit is not read at all
-            self.limits.check_body(int(request.headers.get("content-length") or 0))
-            raw = await request.body()
-            self.limits.check_body(len(raw))
+        try:  # a body over the limit is not read past it (declared size first)
+            declared = request.headers.get("content-length")
+            self.limits.check_body(int(declared) if declared else 0)
+            raw = await _read_body(request, self.limits)
         except LimitExceeded as err:
             self._errors["requests_over_limits"] += 1
             return JSONResponse({"error": str(err)}, status_code=err.status)
+        except ValueError:
+            self._errors["bad_requests"] += 1
+            return JSONResponse(
+                {"error": f"Content-Length {declared!r} is not a number of bytes"}, status_code=400
+            )
         try:
             body = json.loads(raw)
         except ValueError as err:
@@ -213,6 +218,21 @@ class RetrievalDeployment:
         """Retriever and batcher counters, plus bad_requests, requests_over_limits and
         server_errors."""
         return {**self.retriever.metrics(), **self.batcher.metrics(), **self._errors}
+
+
+async def _read_body(request: Any, limits: RequestLimits) -> bytes:
+    """The body, read chunk by chunk and refused as soon as it passes the limit (a chunked
+    upload declares no length)."""
+    if not hasattr(request, "stream"):
+        raw = await request.body()
+        limits.check_body(len(raw))
+        return raw
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        limits.check_body(size)
+        parts.append(part)
+    return b"".join(parts)
 
 
 def serve_retriever(
@@ -286,6 +306,9 @@ class RemoteRetriever:
     before retry ``i``; every retry, timeout and error is counted in :meth:`metrics`.
     After the last attempt, :class:`RetrievalServiceError` names the URL and the last
     error. Any other 4xx, or a malformed response, raises at once (retrying cannot fix it).
+    A query longer than ``max_query_chars`` (the server's default limit) is cut to it
+    before it is sent, and counted in ``queries_clipped``: a policy's runaway search must
+    not stop a run.
     """
 
     def __init__(
@@ -295,6 +318,7 @@ class RemoteRetriever:
         timeout_s: float = 30.0,
         retries: int = 3,
         backoff_s: float = 0.5,
+        max_query_chars: int = RequestLimits.max_query_chars,
     ) -> None:
         import httpx
 
@@ -304,7 +328,7 @@ class RemoteRetriever:
                 f"{timeout_s}, {backoff_s}"
             )
         self.url, self.retries, self.backoff_s = url, retries, backoff_s
-        self.timeout_s = timeout_s
+        self.timeout_s, self.max_query_chars = timeout_s, max_query_chars
         self._httpx = httpx
         self._client = httpx.Client(timeout=timeout_s)
         self._metrics = {
@@ -316,6 +340,7 @@ class RemoteRetriever:
             "connection_errors": 0,
             "server_errors": 0,
             "failures": 0,
+            "queries_clipped": 0,
             "seconds": 0.0,
         }
 
@@ -326,7 +351,9 @@ class RemoteRetriever:
             return []
         self._metrics["requests"] += 1
         self._metrics["queries"] += len(queries)
-        body = {"queries": list(queries), "topk": topk, "return_scores": True}
+        cap = self.max_query_chars
+        self._metrics["queries_clipped"] += sum(len(q) > cap for q in queries)
+        body = {"queries": [q[:cap] for q in queries], "topk": topk, "return_scores": True}
         start = time.perf_counter()
         try:
             payload = self._post(body)
@@ -336,7 +363,8 @@ class RemoteRetriever:
 
     def metrics(self) -> dict[str, float]:
         """requests, queries, attempts, retries, timeouts, connection_errors, server_errors
-        (retryable status codes), failures (requests that raised), seconds."""
+        (retryable status codes), failures (requests that raised), queries_clipped,
+        seconds."""
         return dict(self._metrics)
 
     def close(self) -> None:
@@ -347,7 +375,7 @@ class RemoteRetriever:
         # connections and starts its own counters.
         return (
             _remote_retriever,
-            (self.url, self.timeout_s, self.retries, self.backoff_s),
+            (self.url, self.timeout_s, self.retries, self.backoff_s, self.max_query_chars),
         )
 
     def __enter__(self) -> RemoteRetriever:
@@ -414,8 +442,16 @@ class RemoteRetriever:
             ) from None
 
 
-def _remote_retriever(url: str, timeout_s: float, retries: int, backoff_s: float):
-    return RemoteRetriever(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
+def _remote_retriever(
+    url: str, timeout_s: float, retries: int, backoff_s: float, max_query_chars: int = 4096
+):
+    return RemoteRetriever(
+        url,
+        timeout_s=timeout_s,
+        retries=retries,
+        backoff_s=backoff_s,
+        max_query_chars=max_query_chars,
+    )
 
 
 def _hit(entry: Mapping[str, Any]) -> Hit:

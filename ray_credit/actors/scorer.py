@@ -39,9 +39,24 @@ import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
 
-__all__ = ["InfoGainScorer", "make_scorer_actor"]
+__all__ = ["InfoGainScorer", "WeightsBehind", "make_scorer_actor"]
 
 MODES = ("prob_diff", "log_prob_diff")
+
+
+class WeightsBehind(RuntimeError):
+    """The scorer holds older weights than a batch was sampled with (Ray restarted it on
+    the base model, and the current weights have not reached it yet). ``actor_id`` names
+    the scorer so that the pipeline re-sends the weights and scores the batch again."""
+
+    def __init__(self, message: str, actor_id: str | None = None):
+        super().__init__(message)
+        self.actor_id = actor_id
+
+    def __reduce__(self):
+        return (WeightsBehind, (str(self), self.actor_id))
+
+
 _PREFIX = "\n<answer> "
 _SUFFIX = " </answer>"
 
@@ -86,6 +101,7 @@ class InfoGainScorer:
         self.max_batch_tokens = max_batch_tokens
         self.autocast = autocast
         self.policy_version = 0
+        self._restarted = _restarted_by_ray()
         self._rows_computed = 0
 
     def get_policy_version(self) -> int:
@@ -117,6 +133,7 @@ class InfoGainScorer:
     def score(self, batch: TrajectoryBatch) -> TrajectoryBatch:
         """A new batch with ``turn_info_gain`` (and ``scorer/*`` metrics)."""
         batch.require(("input_ids", "token_turn", "gold_answers"), by="InfoGainScorer")
+        self._check_current(batch)
         start = time.perf_counter()
         ids_all, turns_all = batch.token_values("input_ids"), batch.token_values("token_turn")
         offsets = batch.token_offsets
@@ -139,6 +156,29 @@ class InfoGainScorer:
         self._rows_computed = 0
         scores = self._mean_logprobs(rows)
         return self._with_gains(batch, owners, scores, time.perf_counter() - start)
+
+    def _check_current(self, batch: TrajectoryBatch) -> None:
+        """Refuse a batch sampled with newer weights than these: its gains would be read
+        with another policy's beliefs (a restarted scorer is back on the base model)."""
+        import pyarrow.compute as pc
+
+        newest = pc.max(batch.column("turns").flatten().field("policy_version")).as_py()
+        if newest is None or newest <= self.policy_version:
+            return
+        actor_id = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                actor_id = ray.get_runtime_context().get_actor_id()
+        except ImportError:  # pragma: no cover - the scorer runs without Ray in tests
+            pass
+        raise WeightsBehind(
+            f"the scorer holds weights version {self.policy_version} but the batch was "
+            f"sampled with version {newest}; send it the current weights (update_weights) "
+            "and score again",
+            actor_id=actor_id,
+        )
 
     def _with_gains(self, batch, owners, scores, seconds: float) -> TrajectoryBatch:
         per_traj: dict[int, dict[int, float]] = {}
@@ -166,6 +206,7 @@ class InfoGainScorer:
             "scorer/nonfinite": float(nonfinite),
             "scorer/seconds": seconds,
             "scorer/policy_version": float(self.policy_version),
+            "scorer/restarted": float(self._restarted),  # by Ray, after its process died
         }
         return batch.with_traj_columns({"turn_info_gain": column}, metrics=metrics)
 
@@ -235,6 +276,19 @@ class InfoGainScorer:
                 out[r] = float(logp[b, positions, targets].mean())
             at = stop
         return out
+
+
+def _restarted_by_ray() -> bool:
+    """Whether this process is a Ray actor that Ray restarted (False outside an actor)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return False
+        context = ray.get_runtime_context()
+        return bool(context.get_actor_id() and context.was_current_actor_reconstructed)
+    except ImportError:  # pragma: no cover
+        return False
 
 
 def _float_list_with_nulls(batch: TrajectoryBatch, values: np.ndarray, valid: np.ndarray):

@@ -121,7 +121,9 @@ class PipelineConfig:
     """Longest a generator may go without finishing a chunk while it has one: past it the
     generator is taken for hung, killed (Ray restarts it when it was made with
     ``max_restarts``, else it leaves the pool) and its chunks go to the others. None:
-    ``timeout_s``. Set it above a chunk's slowest legitimate generation."""
+    ``timeout_s``. Set it above a chunk's slowest legitimate generation, including what a
+    generator may wait on: its own restart and model load, a retriever that restarts and
+    rebuilds its index. Each kill spends one of the generator's restarts."""
     checkpoint_every: int = 0
     """Save every this many steps into ``checkpoint_dir`` (0: only at the end)."""
     checkpoint_dir: str | None = None
@@ -217,7 +219,8 @@ def _run_stages(stages: Sequence[Callable], batches: Sequence[Any]) -> tuple[Any
         try:
             batch = stage(batch)
         except Exception as err:
-            died = err.actor_id if isinstance(err, ray.exceptions.RayActorError) else None
+            # the actor whose death (or stale weights: the scorer's WeightsBehind) failed it
+            died = getattr(err, "actor_id", None)
             raise StageError(
                 f"stage {name!r} failed: {type(err).__name__}: {err}", actor_id=died
             ) from err
@@ -754,6 +757,7 @@ class Pipeline:
             published = self.publisher.version
             if published is not None and version < published:  # back on older weights
                 self.publisher.resync(g)
+            self._progress[g] = time.monotonic()  # its restart is not time spent hung
         except (ray.exceptions.RayActorError, WeightSyncError, TimeoutError):
             ray.kill(self.generators[g], no_restart=True)  # never half-alive in the pool
             self._lost.add(g)
@@ -816,8 +820,19 @@ class Pipeline:
     def _wait_publication(self) -> None:
         """Wait for the weight publication in flight; a generator that died meanwhile is
         recovered (through its failed call when one is running, else here)."""
+        import ray
+
         from ray_credit.pipeline.weights import WeightSyncError
 
+        # A hung generator answers its update_weights only after its stuck generate call:
+        # wait in slices and kill it at its deadline, so the publication sees a death.
+        refs, started = self.publisher.pending_refs(), time.monotonic()
+        while refs:
+            left = self.config.timeout_s - (time.monotonic() - started)
+            wait = max(0.0, min(left, self._generation_deadline() - time.monotonic()))
+            _, refs = ray.wait(refs, num_returns=len(refs), timeout=wait)
+            if not refs or left <= wait or not self._kill_hung():
+                break
         try:
             self.publisher.wait()
         except WeightSyncError as err:

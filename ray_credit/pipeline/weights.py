@@ -107,6 +107,10 @@ class WeightPublisher:
         ]
         self._weights = ref
 
+    def pending_refs(self) -> list:
+        """The targets' calls of the publication in flight (to wait on in slices)."""
+        return [ref for _, ref in self._pending]
+
     def wait(self) -> float:
         """Wait for the publication in flight; return its seconds (0 if none)."""
         import ray

@@ -214,8 +214,10 @@ def test_a_scorer_killed_mid_run_comes_back_on_current_weights(ray_cluster, worl
     )  # fmt: skip
     history = pipeline.run()
     assert pipeline.step == 3 and pipeline.trained_groups == list(range(12))
-    last = history[-1]
-    assert last["pipeline/weight_target_failures"] >= 1 and last["sync/resyncs"] >= 1
+    # the restart shows in the metrics whichever way the current weights reached it (a
+    # failed call and a resync, or the publication queued while it restarted); a chunk is
+    # never scored with older weights than it was sampled with (WeightsBehind otherwise)
+    assert any(h.get("scorer/restarted") for h in history)
     assert ray_cluster.get(scorer.get_policy_version.remote()) == 3  # current again
     learner.shutdown()
 

@@ -141,9 +141,10 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(ray_cluster, t
     ]  # fmt: skip
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     out = tmp_path / "tspo"
+    log = (tmp_path / "driver.log").open("w")  # a file, not a pipe nobody drains
     driver = subprocess.Popen(
         [sys.executable, str(ROOT / "pipelines" / "tspo.py"), *args],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and driver.poll() is None:
@@ -151,9 +152,10 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(ray_cluster, t
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
             break
         time.sleep(0.2)
-    assert driver.poll() is None, driver.stderr.read()[-3000:]  # still mid-run
+    assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]  # mid-run
     driver.send_signal(signal.SIGKILL)
     driver.wait(timeout=30)
+    log.close()
     deadline = time.monotonic() + 60  # Ray reaps a dead driver's actors
     while alive() > before and time.monotonic() < deadline:
         time.sleep(1)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pickle
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -468,7 +469,21 @@ def test_requests_over_the_limits_get_a_4xx_naming_the_limit():
     ]:  # fmt: skip
         status, reply = post(body, declared)
         assert status == want and message in reply["error"], reply
-    assert asyncio.run(server.metrics())["requests_over_limits"] == 4
+
+    class Chunked:  # an upload that declares no length: refused once it passes the limit
+        method, headers = "POST", {}
+
+        async def stream(self):
+            for _ in range(100):
+                yield b" " * 100
+
+    response = asyncio.run(server(Chunked()))
+    assert response.status_code == 413 and b"over the limit of 400" in response.body
+    bad = _Request(b"{}")
+    bad.headers["content-length"] = "many"
+    response = asyncio.run(server(bad))
+    assert response.status_code == 400 and b"is not a number of bytes" in response.body
+    assert asyncio.run(server.metrics())["requests_over_limits"] == 5
     with pytest.raises(ValueError, match="max_topk must be >= 1"):
         RequestLimits(max_topk=0)
 
@@ -543,6 +558,16 @@ def test_remote_retries_server_errors_and_timeouts(server):
     assert hits == [[hit], [hit]]
     assert (m["attempts"], m["retries"], m["server_errors"], m["timeouts"]) == (3, 2, 1, 1)
     assert m["failures"] == 0
+
+
+@pytest.mark.parametrize("server", [["ok"]], indirect=True)
+def test_remote_clips_a_runaway_query_and_counts_it(server):
+    with RemoteRetriever(server.url, max_query_chars=10) as client:
+        assert len(client.search(["short", "x" * 50], topk=1)) == 2
+        assert client.metrics()["queries_clipped"] == 1
+        copy = pickle.loads(pickle.dumps(client))  # what a generator actor receives
+        assert copy.max_query_chars == 10
+        copy.close()
 
 
 @pytest.mark.parametrize("server", [["slow"]], indirect=True)

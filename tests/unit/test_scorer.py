@@ -133,6 +133,24 @@ def test_autocast_reads_the_same_beliefs_in_bf16():
         InfoGainScorer((model, tokenizer), autocast="bf16")
 
 
+def test_a_scorer_behind_the_batchs_weights_refuses_it():
+    """A restarted scorer is back on the base model: a batch sampled with newer weights
+    is refused (naming the versions) until the current weights reach it."""
+    from ray_credit.actors.scorer import WeightsBehind
+
+    model, tokenizer = load_model("tiny-random")
+    records = token_batch(tokenizer, TRAJECTORIES).to_records()
+    for row in records:
+        row["turns"] = [{**turn, "policy_version": 2} for turn in row["turns"]]
+    batch = TrajectoryBatch.from_records(records)
+    scorer = InfoGainScorer((model, tokenizer))
+    with pytest.raises(WeightsBehind, match="holds weights version 0 but the batch was sampled "
+                       "with version 2"):  # fmt: skip
+        scorer.score(batch)
+    scorer.update_weights(2, model.state_dict())
+    assert "turn_info_gain" in scorer.score(batch)
+
+
 def test_gold_span_covers_exactly_the_answer():
     _, tokenizer = load_model("tiny-random")
     scorer = InfoGainScorer(load_model("tiny-random"))
