@@ -20,8 +20,9 @@ def test_a_hundred_steps_leak_nothing(ray_cluster):
     print(table(report))
     summary, base, after = report["summary"], report["baseline"], report["after_shutdown"]
     assert len(report["samples"]) == 100
-    # the same actors and placement groups alive in the last ten steps as in the first ten
-    assert summary["actors_alive"]["change"] == 0 and summary["placement_groups"]["change"] == 0
+    # no more actors or placement groups alive in the last ten steps than in the first ten
+    # (fewer is possible on the shared cluster: an earlier test's actors may still be dying)
+    assert summary["actors_alive"]["change"] <= 0 and summary["placement_groups"]["change"] <= 0
     # leak bounds, not speed targets: a per-step leak of 1 MB would be 90 MB here
     assert summary["driver_rss_mb"]["change"] < 60, table(report)
     assert summary["object_store_mb"]["change"] < 20, table(report)
