@@ -141,6 +141,9 @@ class _FailingPublisher:
     def __init__(self, error):
         self.error = error
 
+    def pending_refs(self):
+        return []  # nothing to wait on in slices: wait() settles it
+
     def wait(self):
         raise self.error
 
@@ -151,6 +154,7 @@ def _bare_pipeline(publisher):
     pipeline = object.__new__(Pipeline)  # the failure bookkeeping only, no Ray
     pipeline.publisher, pipeline.generators, pipeline._chunks = publisher, [0, 1], {}
     pipeline._lost, pipeline._queued, pipeline._epoch = set(), [0, 1], [0, 0]
+    pipeline._progress = [0.0, 0.0]
     recovered = []
     pipeline._recover = recovered.append
     return pipeline, recovered
@@ -187,6 +191,7 @@ def _stream_pipeline(**config):
         [],
     )
     pipeline._chunks, pipeline.step, pipeline.version, pipeline._next = {}, 0, 0, 0
+    pipeline._progress = [0.0, 0.0, 0.0]
     pipeline.chunk = pipeline.config.chunk_groups or pipeline.config.groups_per_step
     pipeline.failures = {"pipeline/chunks_redone": 0.0, "pipeline/stale_chunks_redone": 0.0}
     submitted = []
