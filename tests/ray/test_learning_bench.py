@@ -37,6 +37,9 @@ def test_learning_bench_quick(ray_cluster, tmp_path):
         agg = report["methods"][method]
         assert agg["em_after"]["n"] == 1 and agg["em_after"]["low"] is None  # one seed: no CI
     assert (tmp_path / "learning.png").stat().st_size > 1000
+    # a recorded run keeps its figures, not its checkpoint (GBs per run at real sizes)
+    assert (tmp_path / "runs" / "grpo-seed0" / "summary.json").is_file()
+    assert not (tmp_path / "runs" / "grpo-seed0" / "checkpoint").exists()
     assert "EM after [95% CI]" in out.stdout and (tmp_path / "learning.md").is_file()
 
 
