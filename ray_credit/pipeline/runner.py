@@ -503,7 +503,6 @@ class Pipeline:
     # ----------------------------------------------------------------- events
     def _wait(self) -> list:
         """The refs that finished (at least one), within ``timeout_s``."""
-        import ray
 
         pending = self._pending()
         if not pending:
@@ -512,16 +511,7 @@ class Pipeline:
                 f"training (next group {self._next}, admissible below "
                 f"{self._admissible_end()})"
             )
-        started = time.monotonic()
-        while True:  # wakes for a generator's deadline before the whole wait's timeout
-            deadline = self._generation_deadline()
-            left = self.config.timeout_s - (time.monotonic() - started)
-            wait = max(0.0, min(left, deadline - time.monotonic()))
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
-            if ready or left <= wait:
-                break
-            if self._kill_hung():
-                return []  # their calls fail now; _handle picks that up on the next wait
+        ready, _ = self._wait_killing_hung(list(pending), num_returns=1)
         if not ready:
             waiting = sorted({what for what in pending.values()})
             raise TimeoutError(
@@ -529,6 +519,20 @@ class Pipeline:
                 f"{', '.join(waiting)} (a hung actor? raise pipeline.timeout_s if legitimate)"
             )
         return ready
+
+    def _wait_killing_hung(self, refs: list, num_returns: int) -> tuple[list, list]:
+        """``ray.wait`` for ``num_returns`` of ``refs`` within ``timeout_s``, waking at each
+        generator's hang deadline to kill it (its calls then fail: they count as ready)."""
+        import ray
+
+        started = time.monotonic()
+        while True:
+            left = self.config.timeout_s - (time.monotonic() - started)
+            wait = max(0.0, min(left, self._generation_deadline() - time.monotonic()))
+            ready, rest = ray.wait(refs, num_returns=num_returns, timeout=wait)
+            if len(ready) >= num_returns or left <= wait:
+                return ready, rest
+            self._kill_hung()
 
     def _generation_timeout(self) -> float:
         return self.config.generation_timeout_s or self.config.timeout_s
@@ -542,13 +546,13 @@ class Pipeline:
         ]
         return min(busy, default=math.inf) + self._generation_timeout()
 
-    def _kill_hung(self) -> bool:
+    def _kill_hung(self) -> None:
         """Kill each generator that has had chunks in flight and finished none for
         generation_timeout_s; its calls then fail and their chunks are redone as a dead
         generator's are (Ray restarts it when it has max_restarts)."""
         import ray
 
-        now, killed = time.monotonic(), False
+        now = time.monotonic()
         for g in range(len(self.generators)):
             if not self._queued[g] or g in self._lost:
                 continue
@@ -563,8 +567,6 @@ class Pipeline:
             self.failures["pipeline/generators_hung"] += 1
             ray.kill(self.generators[g], no_restart=False)
             self._progress[g] = now  # not killed again while its calls fail
-            killed = True
-        return killed
 
     def _pending(self) -> dict[Any, str]:
         pending: dict[Any, str] = {}
@@ -753,10 +755,7 @@ class Pipeline:
 
         self.failures["pipeline/generator_failures"] += 1
         try:
-            version = self._await_restart(g)
-            published = self.publisher.version
-            if published is not None and version < published:  # back on older weights
-                self.publisher.resync(g)
+            self._bring_current(g)
             self._progress[g] = time.monotonic()  # its restart is not time spent hung
         except (ray.exceptions.RayActorError, WeightSyncError, TimeoutError):
             ray.kill(self.generators[g], no_restart=True)  # never half-alive in the pool
@@ -780,10 +779,7 @@ class Pipeline:
         name = self.publisher.names[index]
         self.failures["pipeline/weight_target_failures"] += 1
         try:
-            version = self._await_actor(self.publisher.targets[index], name)
-            published = self.publisher.version
-            if published is not None and version < published:  # back on older weights
-                self.publisher.resync(index)
+            self._bring_current(index)
         except (ray.exceptions.RayActorError, WeightSyncError, TimeoutError) as err:
             raise RuntimeError(
                 f"{name} (a weight target: the info-gain scorer) died and did not come back "
@@ -795,14 +791,19 @@ class Pipeline:
         sends_itself = self.publisher.sends_itself
         self.publisher.publish(self.version, None if sends_itself else self.learner.weights())
 
-    def _await_restart(self, g: int) -> int:
-        """Generator ``g``'s policy version once it answers (Ray restarted it and its model
-        loaded, or it never died: a transient error); ``ActorDiedError`` if it is gone for
-        good, ``TimeoutError`` if it does not answer within ``timeout_s``."""
-        return self._await_actor(self.generators[g], f"generator{g}")
+    def _bring_current(self, index: int) -> None:
+        """Weight target ``index`` (a generator, or the scorer after them) once it answers,
+        re-sent the last published weights when it is back on older ones (Ray restarted it
+        on the base model)."""
+        version = self._await_actor(self.publisher.targets[index], self.publisher.names[index])
+        published = self.publisher.version
+        if published is not None and version < published:
+            self.publisher.resync(index)
 
     def _await_actor(self, actor: Any, name: str) -> int:
-        """``actor``'s policy version once it answers (see :meth:`_await_restart`)."""
+        """``actor``'s policy version once it answers (Ray restarted it and its model
+        loaded, or it never died: a transient error); ``ActorDiedError`` if it is gone for
+        good, ``TimeoutError`` if it does not answer within ``timeout_s``."""
         import ray
 
         deadline = time.monotonic() + self.config.timeout_s
@@ -820,19 +821,13 @@ class Pipeline:
     def _wait_publication(self) -> None:
         """Wait for the weight publication in flight; a generator that died meanwhile is
         recovered (through its failed call when one is running, else here)."""
-        import ray
-
         from ray_credit.pipeline.weights import WeightSyncError
 
         # A hung generator answers its update_weights only after its stuck generate call:
-        # wait in slices and kill it at its deadline, so the publication sees a death.
-        refs, started = self.publisher.pending_refs(), time.monotonic()
-        while refs:
-            left = self.config.timeout_s - (time.monotonic() - started)
-            wait = max(0.0, min(left, self._generation_deadline() - time.monotonic()))
-            _, refs = ray.wait(refs, num_returns=len(refs), timeout=wait)
-            if not refs or left <= wait or not self._kill_hung():
-                break
+        # kill it at its deadline, so that the publication sees a death.
+        refs = self.publisher.pending_refs()
+        if refs:
+            self._wait_killing_hung(refs, num_returns=len(refs))
         try:
             self.publisher.wait()
         except WeightSyncError as err:
