@@ -140,10 +140,7 @@ class LearnerConfig:
 
     def __post_init__(self) -> None:
         model_dtype(self.dtype)  # raises ValueError naming the dtypes it knows
-        if self.autocast not in (None, "bfloat16", "float16"):
-            raise ValueError(
-                f"autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}"
-            )
+        check_autocast(self.autocast)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature must be a positive finite number (the generator's; greedy: 1), "
@@ -770,6 +767,12 @@ def _prompt_keys(input_ids, mask) -> np.ndarray:
         [seen.setdefault(ids[r, : first[r] + 1].tobytes(), len(seen)) for r in range(len(ids))],
         dtype=np.int64,
     )
+
+
+def check_autocast(dtype: str | None) -> None:
+    """Raise ValueError unless ``dtype`` is an autocast setting :func:`autocast` takes."""
+    if dtype not in (None, "bfloat16", "float16"):
+        raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {dtype!r}")
 
 
 def autocast(device: Any, dtype: str | None):

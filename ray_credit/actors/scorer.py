@@ -86,10 +86,10 @@ class InfoGainScorer:
         max_batch_tokens: int = 16384,
         autocast: str | None = None,
     ):
+        from ray_credit.actors.learner import check_autocast
         from ray_credit.models import load_model
 
-        if autocast not in (None, "bfloat16", "float16"):
-            raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {autocast!r}")
+        check_autocast(autocast)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if max_batch_tokens < 1:
@@ -101,8 +101,8 @@ class InfoGainScorer:
         self.max_batch_tokens = max_batch_tokens
         self.autocast = autocast
         self.policy_version = 0
-        self._restarted = _restarted_by_ray()
-        self._rows_computed = 0
+        context = _actor_context()  # None outside a Ray actor
+        self._restarted = bool(context and context.was_current_actor_reconstructed)
 
     def get_policy_version(self) -> int:
         """The version of the weights it scores with (0: the base model's)."""
@@ -153,9 +153,8 @@ class InfoGainScorer:
             for k, end in enumerate(ends):
                 rows.append((ids[:end].tolist() + pseudo, int(end) + lo, int(end) + hi))
                 owners.append((i, k))
-        self._rows_computed = 0
-        scores = self._mean_logprobs(rows)
-        return self._with_gains(batch, owners, scores, time.perf_counter() - start)
+        scores, computed = self._mean_logprobs(rows)
+        return self._with_gains(batch, owners, scores, computed, time.perf_counter() - start)
 
     def _check_current(self, batch: TrajectoryBatch) -> None:
         """Refuse a batch sampled with newer weights than these: its gains would be read
@@ -165,22 +164,15 @@ class InfoGainScorer:
         newest = pc.max(batch.column("turns").flatten().field("policy_version")).as_py()
         if newest is None or newest <= self.policy_version:
             return
-        actor_id = None
-        try:
-            import ray
-
-            if ray.is_initialized():
-                actor_id = ray.get_runtime_context().get_actor_id()
-        except ImportError:  # pragma: no cover - the scorer runs without Ray in tests
-            pass
+        context = _actor_context()
         raise WeightsBehind(
             f"the scorer holds weights version {self.policy_version} but the batch was "
             f"sampled with version {newest}; send it the current weights (update_weights) "
             "and score again",
-            actor_id=actor_id,
+            actor_id=context.get_actor_id() if context else None,
         )
 
-    def _with_gains(self, batch, owners, scores, seconds: float) -> TrajectoryBatch:
+    def _with_gains(self, batch, owners, scores, computed: int, seconds: float) -> TrajectoryBatch:
         per_traj: dict[int, dict[int, float]] = {}
         for (i, k), m in zip(owners, scores, strict=True):
             per_traj.setdefault(i, {})[k] = m
@@ -201,8 +193,8 @@ class InfoGainScorer:
         valid = ~np.isnan(gains)
         column = _float_list_with_nulls(batch, gains, valid)
         metrics = {
-            "scorer/forward_rows": float(self._rows_computed),
-            "scorer/rows_reused": float(len(owners) - self._rows_computed),
+            "scorer/forward_rows": float(computed),
+            "scorer/rows_reused": float(len(owners) - computed),
             "scorer/nonfinite": float(nonfinite),
             "scorer/seconds": seconds,
             "scorer/policy_version": float(self.policy_version),
@@ -210,10 +202,10 @@ class InfoGainScorer:
         }
         return batch.with_traj_columns({"turn_info_gain": column}, metrics=metrics)
 
-    def _mean_logprobs(self, rows: list[tuple[list[int], int, int]]) -> list[float]:
-        """Mean log-prob of each row's gold span; a row repeated (the G trajectories of a
-        group share the context before their first turn, and often their first turns) is
-        computed once."""
+    def _mean_logprobs(self, rows: list[tuple[list[int], int, int]]) -> tuple[list[float], int]:
+        """Mean log-prob of each row's gold span, and how many rows were computed: a row
+        repeated (the G trajectories of a group share the context before their first
+        turn, and often their first turns) is computed once."""
         first: dict[tuple, int] = {}
         unique: list[tuple[list[int], int, int]] = []
         where = []
@@ -223,9 +215,8 @@ class InfoGainScorer:
                 first[key] = len(unique)
                 unique.append((ids, lo, hi))
             where.append(first[key])
-        self._rows_computed += len(unique)
         scores = self._mean_logprobs_batched(unique)
-        return [scores[u] for u in where]
+        return [scores[u] for u in where], len(unique)
 
     def _mean_logprobs_batched(self, rows: list[tuple[list[int], int, int]]) -> list[float]:
         """Mean log-prob of each row's gold span, batched by length (left padding)."""
@@ -278,17 +269,16 @@ class InfoGainScorer:
         return out
 
 
-def _restarted_by_ray() -> bool:
-    """Whether this process is a Ray actor that Ray restarted (False outside an actor)."""
+def _actor_context() -> Any:
+    """Ray's runtime context when this process is a Ray actor, else None."""
     try:
         import ray
-
-        if not ray.is_initialized():
-            return False
-        context = ray.get_runtime_context()
-        return bool(context.get_actor_id() and context.was_current_actor_reconstructed)
-    except ImportError:  # pragma: no cover
-        return False
+    except ImportError:  # pragma: no cover - the scorer runs without Ray in tests
+        return None
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return context if context.get_actor_id() else None
 
 
 def _float_list_with_nulls(batch: TrajectoryBatch, values: np.ndarray, valid: np.ndarray):
