@@ -92,10 +92,10 @@ class RequestLimits:
                 f"{len(queries)} queries in one request, over the limit of {self.max_queries} "
                 "(max_queries); split them over several requests"
             )
-        longest = max(range(len(queries)), key=lambda i: len(queries[i]), default=None)
-        if longest is not None and len(queries[longest]) > self.max_query_chars:
+        over = next((i for i, q in enumerate(queries) if len(q) > self.max_query_chars), None)
+        if over is not None:
             raise LimitExceeded(
-                f"query {longest} has {len(queries[longest])} characters, over the limit of "
+                f"query {over} has {len(queries[over])} characters, over the limit of "
                 f"{self.max_query_chars} (max_query_chars)"
             )
         if topk > self.max_topk:
@@ -223,10 +223,6 @@ class RetrievalDeployment:
 async def _read_body(request: Any, limits: RequestLimits) -> bytes:
     """The body, read chunk by chunk and refused as soon as it passes the limit (a chunked
     upload declares no length)."""
-    if not hasattr(request, "stream"):
-        raw = await request.body()
-        limits.check_body(len(raw))
-        return raw
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
@@ -443,7 +439,7 @@ class RemoteRetriever:
 
 
 def _remote_retriever(
-    url: str, timeout_s: float, retries: int, backoff_s: float, max_query_chars: int = 4096
+    url: str, timeout_s: float, retries: int, backoff_s: float, max_query_chars: int
 ):
     return RemoteRetriever(
         url,

@@ -441,10 +441,10 @@ class _Request:
         self.headers = {"content-length": str(len(body) if declared is None else declared)}
         self._body = body
 
-    async def body(self) -> bytes:
+    async def stream(self):
         if int(self.headers["content-length"]) > 400:
             raise AssertionError("a body declared over the limit is not read")
-        return self._body
+        yield self._body
 
 
 def test_requests_over_the_limits_get_a_4xx_naming_the_limit():
