@@ -5,8 +5,8 @@
 
 Runs :class:`~ray_credit.pipeline.Pipeline` for ``--steps`` steps on tiny-random (two
 generators on the transformers sampler, one learner, GRPO), and after every step samples
-the driver's resident memory, the object store's bytes in use, the Ray actors alive and
-the placement groups not removed. Reports the first and the last ten steps' means of each
+the driver's resident memory, the object store's bytes in use, and the run's own Ray actors
+alive and placement groups not removed (those created after it started). Reports the first and the last ten steps' means of each
 and their change, then shuts the run down and counts what is left alive. JSON to
 ``--out``; ``tests/ray/test_soak.py`` runs it in CI and checks nothing leaks.
 """
@@ -25,8 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def cluster_state() -> dict[str, float]:
-    """Driver RSS, object store bytes in use, live actors, placement groups not removed."""
+def known_ids() -> tuple[set[str], set[str]]:
+    """The ids of every actor and placement group the cluster knows, in any state."""
+    from ray._private.state import actors
+    from ray.util import placement_group_table
+
+    return set(actors()), set(placement_group_table())
+
+
+def cluster_state(before: tuple[set[str], set[str]]) -> dict[str, float]:
+    """Driver RSS, object store bytes in use, and the actors alive and placement groups not
+    removed among those created after ``before`` was taken: this run's own (on a shared
+    cluster an earlier job's actors may still be dying or restarting)."""
     import psutil
     import ray
     from ray._private.state import actors
@@ -37,9 +47,15 @@ def cluster_state() -> dict[str, float]:
     return {
         "driver_rss_mb": psutil.Process().memory_info().rss / 2**20,
         "object_store_mb": (total - free) / 2**20,
-        "actors_alive": float(sum(a["State"] == "ALIVE" for a in actors().values())),
+        "actors_alive": float(
+            sum(a["State"] == "ALIVE" for i, a in actors().items() if i not in before[0])
+        ),
         "placement_groups": float(
-            sum(pg["state"] != "REMOVED" for pg in placement_group_table().values())
+            sum(
+                g["state"] != "REMOVED"
+                for i, g in placement_group_table().items()
+                if i not in before[1]
+            )
         ),
     }
 
@@ -57,7 +73,8 @@ def soak(steps: int, *, window: int = 10) -> dict:
 
     if steps < 2 * window:
         raise ValueError(f"--steps must be at least {2 * window} to compare two windows")
-    baseline = cluster_state()
+    before = known_ids()
+    baseline = cluster_state(before)
     world = make_world(WorldConfig(seed=3, num_entities=20))
     gen = GeneratorConfig(group_size=2, max_turns=2, max_new_tokens=6, response_prefix="<search>")
     retriever = make_retriever_actor(world.corpus, num_cpus=0.25)
@@ -68,7 +85,7 @@ def soak(steps: int, *, window: int = 10) -> dict:
     samples: list[dict[str, float]] = []
 
     def sample(metrics: dict[str, float]) -> None:
-        samples.append({"step": metrics["pipeline/step"], **cluster_state()})
+        samples.append({"step": metrics["pipeline/step"], **cluster_state(before)})
 
     config = PipelineConfig(steps=steps, groups_per_step=2, chunk_groups=1, max_staleness=1)
     pipeline = Pipeline(
@@ -83,8 +100,8 @@ def soak(steps: int, *, window: int = 10) -> dict:
     del pipeline, generators, retriever, learner
     deadline = time.monotonic() + 30  # kills are asynchronous
     while time.monotonic() < deadline:
-        after = cluster_state()
-        if after["actors_alive"] <= baseline["actors_alive"]:
+        after = cluster_state(before)
+        if after["actors_alive"] == 0 and after["placement_groups"] == 0:
             break
         time.sleep(0.5)
     keys = ["driver_rss_mb", "object_store_mb", "actors_alive", "placement_groups"]
@@ -113,10 +130,9 @@ def table(report: dict) -> str:
     lines = [f"| | first {w} steps | last {w} steps | change |", "|---|---:|---:|---:|"]
     for key, s in report["summary"].items():
         lines.append(f"| {key} | {s['first']:.1f} | {s['last']:.1f} | {s['change']:+.1f} |")
-    base, after = report["baseline"], report["after_shutdown"]
+    after = report["after_shutdown"]
     lines.append(
-        f"\nbefore the run: {base['actors_alive']:.0f} actors alive, "
-        f"{base['placement_groups']:.0f} placement groups; after shutdown: "
+        f"\nthe run's actors and placement groups alive after shutdown: "
         f"{after['actors_alive']:.0f} and {after['placement_groups']:.0f}"
     )
     return "\n".join(lines)
