@@ -114,6 +114,12 @@ class PipelineConfig:
     arrives."""
     seed: int = 0
     """Seed of the question order."""
+    stratify_by: str | None = None
+    """A question field (``"hops"``, ``"data_source"``) whose values every step draws in
+    their data proportions: each epoch shuffles each value's questions apart and spreads
+    them evenly through the epoch, so a step of B groups holds ``B * share`` of each value,
+    give or take one (with two values). None: one shuffle of all questions, so a step's mix varies with the
+    draw."""
     timeout_s: float = 1800.0
     """Longest wait for one generate call, chunk's stages, learner update or weight
     publication."""
@@ -163,6 +169,38 @@ class PipelineConfig:
             )
         if self.stage_cpus < 0:
             raise ValueError(f"stage_cpus must be >= 0, got {self.stage_cpus}")
+        if self.stratify_by is not None and not self.stratify_by:
+            raise ValueError("stratify_by must name a question field, or be None")
+
+
+def _strata(questions: Sequence[Mapping[str, Any]], field: str | None) -> list[Any] | None:
+    """Each question's value of ``field`` (None: no stratification), checked present."""
+    if field is None:
+        return None
+    missing = [i for i, q in enumerate(questions) if q.get(field) is None]
+    if missing:
+        raise ValueError(
+            f"pipeline.stratify_by={field!r}, but {len(missing)} of {len(questions)} training "
+            f"questions have no {field!r} (the first: question {missing[0]}); give every "
+            "question that field, or stratify by another"
+        )
+    return [q[field] for q in questions]
+
+
+def stratified_order(keys: Sequence[Any], rng: np.random.Generator) -> np.ndarray:
+    """A permutation of ``range(len(keys))`` in which every value of ``keys`` is spread
+    evenly: value ``v``'s ``n_v`` questions, shuffled, sit at positions ``(j + u_v) / n_v``
+    (``u_v`` uniform, one per value) of the unit interval, and the order is that of the
+    positions. Any window of ``w`` consecutive entries then holds ``w * n_v / n`` of
+    value ``v``, give or take one (two values) or a little more (more values)."""
+    by_value: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        by_value.setdefault(key, []).append(i)
+    positions = np.empty(len(keys))
+    for members in by_value.values():
+        shuffled = rng.permutation(np.asarray(members))
+        positions[shuffled] = (np.arange(len(members)) + rng.random()) / len(members)
+    return np.argsort(positions, kind="stable")
 
 
 class StageError(RuntimeError):
@@ -332,6 +370,7 @@ class Pipeline:
         self.generators = list(generators)
         self.learner = learner
         self.questions = list(questions)
+        self._strata = _strata(self.questions, cfg.stratify_by)
         self.on_step = on_step
         self._stages = ray.put(list(stages))  # pickled once, fetched by every stage task
         self._step_stages = ray.put(list(step_stages)) if step_stages else None
@@ -396,7 +435,10 @@ class Pipeline:
         n = len(self.questions)
         epoch, pos = divmod(index, n)
         if epoch not in self._orders:
-            self._orders[epoch] = np.random.default_rng([self.config.seed, epoch]).permutation(n)
+            rng = np.random.default_rng([self.config.seed, epoch])
+            self._orders[epoch] = (
+                rng.permutation(n) if self._strata is None else stratified_order(self._strata, rng)
+            )
         return self.questions[int(self._orders[epoch][pos])]
 
     # ----------------------------------------------------------------- the loop
@@ -911,8 +953,9 @@ class Pipeline:
             ("groups_per_step", cfg.groups_per_step),
             ("seed", cfg.seed),
             ("num_questions", len(self.questions)),
+            ("stratify_by", cfg.stratify_by),
         ):
-            if state.get(key) != mine:
+            if state.get(key, state.get("config", {}).get(key)) != mine:
                 raise ValueError(
                     f"checkpoint {folder} was written with {key}={state.get(key)}, this run has "
                     f"{key}={mine}; resume with the same data and settings"
