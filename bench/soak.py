@@ -82,6 +82,9 @@ def soak(steps: int, *, window: int = 10) -> dict:
         make_generator_actor("tiny-random", retriever, gen, num_cpus=0.25) for _ in range(2)
     ]
     learner = LearnerGroup("tiny-random", LearnerConfig(lr=1e-3))
+    # steady state only: on a busy cluster an actor may wait for CPUs an earlier job's
+    # actors still hold (the retriever, unused while tiny-random never closes a search)
+    ray.get([a.__ray_ready__.remote() for a in [retriever, *generators]], timeout=300)
     samples: list[dict[str, float]] = []
 
     def sample(metrics: dict[str, float]) -> None:
