@@ -117,3 +117,49 @@ def test_remote_retriever_against_serve(retrieve_url):
     server = serve.get_app_handle("retriever-test").metrics.remote().result()
     assert server["coalesced_batches"] < server["requests"]
     assert server["bad_requests"] == 3 and server["server_errors"] == 0
+
+
+def test_serve_under_load_with_clients_walking_away(retrieve_url):
+    """bench/retrieve_load.py's load, briefly: 32 clients for 3 s, while other clients send
+    whole requests and hang up without reading the answer. Every loaded request is
+    answered, and the server counts no error."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from ray import serve
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from retrieve_load import load
+
+    host, port = retrieve_url.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"queries": ["Tokyo"] * 8, "topk": 3, "return_scores": True}).encode()
+    request = (
+        f"POST /retrieve HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+    async def walk_away(times: int) -> None:
+        for _ in range(times):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(request)
+            await writer.drain()
+            writer.close()  # before the answer
+            await asyncio.sleep(0.05)
+
+    async def both() -> dict:
+        loaded, _ = await asyncio.gather(
+            load(retrieve_url, list(QUERIES), clients=32, seconds=3, topk=3), walk_away(20)
+        )
+        return loaded
+
+    handle = serve.get_app_handle("retriever-test")
+    before = handle.metrics.remote().result()
+    result = asyncio.run(both())
+    assert result["requests_failed"] == 0, result["failures"]
+    assert result["requests_ok"] > 32 and result["latency_ms"]["p99"] > 0
+    after = handle.metrics.remote().result()
+    assert after["server_errors"] == before["server_errors"]
+    assert after["bad_requests"] == before["bad_requests"]
+    hits = httpx.post(retrieve_url, json={"queries": ["Tokyo"], "topk": 1}, timeout=30).json()
+    assert hits["result"][0][0]["id"] == "tokyo"
