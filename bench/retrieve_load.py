@@ -107,7 +107,7 @@ def without_scores_status(url: str) -> int:
 def start_search_r1(args, corpus_path: Path, index_file: Path, encoder: str):
     """Search-R1's server on a free port (bench/search_r1_cpu.py); its process and URL."""
     import httpx
-    from retriever import free_port
+    from retriever import free_port, wait_for_server
 
     server = Path(args.search_r1).expanduser()
     if not server.is_file():
@@ -133,18 +133,10 @@ def start_search_r1(args, corpus_path: Path, index_file: Path, encoder: str):
     command += ["--retriever_model", encoder]
     process = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}/retrieve"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"Search-R1's server exited with {process.returncode}")
-        try:
-            body = {"queries": ["who"], "topk": 1, "return_scores": True}
-            if httpx.post(url, json=body, timeout=5).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(1)
-    process.kill()
-    raise SystemExit("Search-R1's server did not answer within 300 s")
+    body = {"queries": ["who"], "topk": 1, "return_scores": True}
+    ready = lambda: httpx.post(url, json=body, timeout=5).status_code == 200  # noqa: E731
+    wait_for_server(process, ready, "Search-R1's server", 300)
+    return process, url
 
 
 def measure(name: str, url: str, queries: list[str], args) -> dict:

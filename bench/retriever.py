@@ -133,19 +133,33 @@ def start_fastapi(args: argparse.Namespace, corpus_path: Path, index_folder: Pat
     command += ["--threads", str(args.threads)]
     process = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
+    wait_for_server(process, lambda: httpx_get_ok(url + "/health"), "the FastAPI server", 180)
+    return process, url + "/retrieve"
+
+
+def httpx_get_ok(url: str) -> bool:
     import httpx
 
-    deadline = time.monotonic() + 180
+    return httpx.get(url, timeout=1).status_code == 200
+
+
+def wait_for_server(process, ready, name: str, timeout_s: float) -> None:
+    """Poll ``ready()`` until it is true; stop with a message when ``process`` exits or
+    ``timeout_s`` passes (the process is then killed)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"the FastAPI server exited with {process.returncode}")
+            raise SystemExit(f"{name} exited with {process.returncode}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url + "/retrieve"
+            if ready():
+                return
         except httpx.TransportError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     process.kill()
-    raise SystemExit("the FastAPI server did not come up within 180 s")
+    raise SystemExit(f"{name} did not answer within {timeout_s:.0f} s")
 
 
 def free_port() -> int:
