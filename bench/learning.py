@@ -338,26 +338,59 @@ def _fmt(value: float | None, fmt: str) -> str:
 
 
 def plot_curves(report: dict, path: Path) -> None:
+    """Left: training reward per step (mean over seeds, band: one std). Right: each
+    method's paired change of held-out EM, all questions and per data source: every
+    seed's change (dots) and the mean with its 95 % interval across seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), width_ratios=(1, 1.2))
     for i, (method, runs) in enumerate(report["runs"].items()):
         length = min(len(r["reward"]) for r in runs)
         curves = np.array([r["reward"][:length] for r in runs])
         steps = np.arange(1, length + 1)
         centre = curves.mean(axis=0)
-        ax.plot(steps, centre, color=f"C{i}", label=f"{method} (n={len(runs)})")
+        left.plot(steps, centre, color=f"C{i}", label=f"{method} (n={len(runs)})")
         if len(runs) > 1:
             spread = curves.std(axis=0, ddof=1)
-            ax.fill_between(steps, centre - spread, centre + spread, color=f"C{i}", alpha=0.15)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training reward (mean over seeds, band: 1 std)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+            left.fill_between(steps, centre - spread, centre + spread, color=f"C{i}", alpha=0.15)
+    left.set_xlabel("step")
+    left.set_ylabel("training reward (mean over seeds, band: 1 std)")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+
+    sources = sorted(
+        {s for runs in report["runs"].values() for r in runs for s in r["em_change_by_source"]}
+    )
+    parts = ["all", *sources]
+    width = 0.8 / len(parts)
+    for j, part in enumerate(parts):
+        for i, runs in enumerate(report["runs"].values()):
+            changes = [
+                r["em_change"]["diff"] if part == "all" else r["em_change_by_source"][part]["diff"]
+                for r in runs
+                if part == "all" or part in r["em_change_by_source"]
+            ]
+            if not changes:
+                continue
+            x = i + (j - (len(parts) - 1) / 2) * width
+            right.scatter([x] * len(changes), changes, s=10, color=f"C{j}", alpha=0.5)
+            stat = _interval(changes)
+            error = (
+                None
+                if stat["low"] is None
+                else [[stat["mean"] - stat["low"]], [stat["high"] - stat["mean"]]]
+            )
+            right.errorbar(x, stat["mean"], yerr=error, fmt="o", color=f"C{j}", capsize=3,
+                           label=part if i == 0 else None)  # fmt: skip
+    right.axhline(0, color="black", linewidth=0.8)
+    right.set_xticks(range(len(report["runs"])), list(report["runs"]), fontsize=8)
+    right.set_ylabel("held-out EM after - before (paired)")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
