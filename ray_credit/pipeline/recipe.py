@@ -362,9 +362,13 @@ def _eval_summary(batch: Any) -> dict[str, Any]:
 
     reward = batch.traj_values("outcome_reward")
     sources = [s or "unknown" for s in batch.column("data_source").to_pylist()]
+    searched = (batch.turn_values("turns.action") == "search").astype(np.int64)
+    searches = np.add.reduceat(searched, batch.turn_offsets[:-1]) if len(batch) else searched
     per_source: dict[str, list[float]] = {}
-    for source, r in zip(sources, reward, strict=True):
+    searches_by_source: dict[str, list[float]] = {}
+    for source, r, s in zip(sources, reward, searches, strict=True):
         per_source.setdefault(source, []).append(float(r >= 1.0))
+        searches_by_source.setdefault(source, []).append(float(s))
     keys = [question_key(i, q) for i, q in enumerate(batch.column("question").to_pylist())]
     correct = [int(r >= 1.0) for r in reward]
     m, n = batch.metrics, max(len(batch), 1)
@@ -377,6 +381,7 @@ def _eval_summary(batch: Any) -> dict[str, Any]:
         "source": dict(zip(keys, sources, strict=True)),
         "answered": m.get("gen/answered", 0.0) / n,
         "searches_per_traj": m.get("gen/searches", 0.0) / n,
+        "searches_by_source": {k: float(np.mean(v)) for k, v in sorted(searches_by_source.items())},
         "questions": len(batch),
     }
 
@@ -411,9 +416,20 @@ def describe_change(before: Mapping, after: Mapping, change: Mapping[str, dict])
         lines.append(
             f"  {name:<16} EM {em_b:.3f} -> {em_a:.3f}  change {c['diff']:+.3f} "
             f"[95% CI {c['low']:+.3f}, {c['high']:+.3f}; {verdict}]  n={c['n']} "
-            f"({c['better']} better, {c['worse']} worse)"
+            f"({c['better']} better, {c['worse']} worse){_searches(before, after, name)}"
         )
     return "held-out EM, paired on the same questions:\n" + "\n".join(lines)
+
+
+def _searches(before: Mapping, after: Mapping, name: str) -> str:
+    """The end of one line of :func:`describe_change`: how searches per question moved,
+    where both evaluations counted them (an older summary did not, per source)."""
+    if name == "all":
+        b, a = before.get("searches_per_traj"), after.get("searches_per_traj")
+    else:
+        b = before.get("searches_by_source", {}).get(name)
+        a = after.get("searches_by_source", {}).get(name)
+    return "" if b is None or a is None else f", searches per question {b:.2f} -> {a:.2f}"
 
 
 def submit_evaluation(generator: Any, questions: Sequence[Mapping[str, Any]]) -> Any:

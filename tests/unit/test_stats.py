@@ -63,6 +63,13 @@ def test_eval_summary_change_and_plot(tmp_path):
     assert summary["em"] == pytest.approx(np.mean(list(summary["correct"].values())))
     low, high = summary["em_interval"]
     assert low <= summary["em"] <= high
+    searches: dict[str, list[int]] = {}  # per source, counted from the records
+    for record in batch.to_records():
+        n = sum(turn["action"] == "search" for turn in record["turns"])
+        searches.setdefault(record["data_source"], []).append(n)
+    assert summary["searches_by_source"] == pytest.approx(
+        {source: np.mean(counts) for source, counts in searches.items()}
+    )
     after = {**summary, "correct": dict.fromkeys(summary["correct"], 1), "em": 1.0}
     after["em_interval"] = list(proportion_interval(6, 6))
     after["em_by_source"] = dict.fromkeys(summary["em_by_source"], 1.0)
@@ -71,6 +78,11 @@ def test_eval_summary_change_and_plot(tmp_path):
     assert change["all"]["diff"] == pytest.approx(1 - summary["em"])
     text = describe_change(summary, after, change)
     assert "paired on the same questions" in text and "95% CI" in text
+    source = sorted(searches)[0]
+    per_source = summary["searches_by_source"][source]
+    assert f"{source:<16}" in text and f"searches per question {per_source:.2f}" in text
+    older = {k: v for k, v in summary.items() if k != "searches_by_source"}  # an older summary
+    assert "searches per question" not in describe_change(older, after, change).split("\n")[2]
 
     rows = [{"pipeline/step": s, "train/reward_mean": r} for s, r in enumerate([0, 1, 0, 1], 1)]
     full = {"config": {"name": "t"}, "steps": 4, "eval_before": summary, "eval_after": after,
