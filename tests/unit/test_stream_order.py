@@ -56,7 +56,9 @@ def test_one_value_is_a_plain_permutation_and_strings_work():
 
 def test_a_question_without_the_field_is_named():
     questions = [{"hops": 1}, {"hops": 2}, {"question": "no hops"}]
-    with pytest.raises(ValueError, match=r"1 of 3 training questions have no 'hops' \(the first: question 2\)"):
+    with pytest.raises(
+        ValueError, match=r"1 of 3 training questions have no 'hops' \(the first: question 2\)"
+    ):
         _strata(questions, "hops")
     assert _strata(questions[:2], "hops") == [1, 2]
     assert _strata(questions, None) is None
