@@ -8,9 +8,9 @@
     python pipelines/tspo.py --resume runs/tspo/checkpoint # continue a killed run
 
 Defaults (configs/embedded.yaml): SmolLM2-135M-Instruct, MiniLM over the synthetic world,
-6 steps of 4 questions x G=4, one step of staleness. Writes runs/tspo/{summary.json,
-plot.png,metrics.jsonl}, the checkpoint and an offline wandb run. The run itself, in
-order, is ray_credit.pipeline.recipe.train.
+a warm-start on 96 questions, then 12 steps of 4 questions x G=8, one step of staleness.
+Writes runs/tspo/{summary.json,plot.png,metrics.jsonl}, the checkpoint and an offline
+wandb run. The run itself, in order, is ray_credit.pipeline.recipe.train.
 """
 
 from __future__ import annotations
