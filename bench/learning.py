@@ -14,9 +14,13 @@ evidence judge, which needs no model. All runs share one local Ray (or RAY_ADDRE
 
 Reports, per method: held-out EM after training across seeds (mean, std and a 95 %
 t-interval; 1-hop and 2-hop apart), its change from before training (mean of the
-per-seed paired changes), the training reward per step (mean and a band of one std
-across seeds), the share of all-wrong groups and of zero-advantage groups, and wall time
-per run. Writes JSON (``--out``) and one PNG of reward curves with bands (``--plot``).
+per-seed paired changes), the same change pooled over every seed's questions and, for
+each method but GRPO, its EM after training minus GRPO's on the same seeds' questions
+(paired bootstrap intervals), the training reward per step (mean and a band of one std
+across seeds), the share of all-wrong groups and of zero-advantage groups, searches per
+question by hop type, and wall time per run. Writes JSON (``--out``), the tables as
+Markdown beside it, and one PNG (``--plot``): reward curves with bands, and every seed's
+paired change with the mean and its interval.
 
 The runs go seed by seed (every method of seed 0, then of seed 1, ...), and each finished
 run is recorded in ``<runs-dir>/runs.jsonl`` as it ends. Started again with the same
@@ -49,6 +53,7 @@ METHODS = {  # method -> (pipeline script, its run config class)
     "igpo": ("igpo.py", "IGPORun"),
     "a2tgpo": ("a2tgpo.py", "A2TGPORun"),
 }
+BASELINE = "grpo"  # what every other method is compared with, question by question
 QUICK = [  # a smoke run of the machinery, in CI: nothing learns in one step
     "model=tiny-random", "pipeline.steps=1", "pipeline.groups_per_step=2",
     "data.eval_questions=4", "data.world.num_entities=20", "generator.backend=transformers",
@@ -119,9 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         "settings": settings,
         "seeds": seeds,
         "methods": {m: aggregate(rs) for m, rs in runs.items()},
+        "baseline": BASELINE if BASELINE in runs else None,
         "runs": runs,
         "seconds": time.perf_counter() - started,
     }
+    for method, agg in report["methods"].items():  # each method against GRPO, paired
+        if method != BASELINE and BASELINE in runs:
+            parts = ["all", *agg["em_after_by_source"]]
+            agg["vs_baseline"] = {
+                part: pooled(runs[method], runs[BASELINE], source=None if part == "all" else part)
+                for part in parts
+            }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot_path = args.plot or args.out.with_suffix(".png")
@@ -228,6 +241,12 @@ def collect(folder: Path, method: str) -> dict:
         "em_change_by_source": {k: v for k, v in change.items() if k != "all"},
         "searches_before": before.get("searches_per_traj"),
         "searches_after": after.get("searches_per_traj"),
+        "searches_before_by_source": before.get("searches_by_source"),
+        "searches_after_by_source": after.get("searches_by_source"),
+        # per question (1 right, 0 wrong): pooled over seeds, and paired with GRPO's
+        "correct_before": before["correct"],
+        "correct_after": after["correct"],
+        "source": before["source"],
         "reward": [r.get("train/reward_mean", 0.0) for r in rows],
         "groups_all_wrong": [r.get("train/groups_all_wrong", math.nan) for r in rows],
         "groups_zero_advantage": [r.get("train/groups_zero_advantage", math.nan) for r in rows],
@@ -267,8 +286,44 @@ def aggregate(runs: list[dict]) -> dict:
         out[key] = mean(values) if values else None
     searches = [r["searches_after"] for r in runs if r.get("searches_after") is not None]
     out["searches_after"] = mean(searches) if searches else None
+    out["searches_after_by_source"] = {
+        s: mean(r["searches_after_by_source"][s] for r in runs)
+        for s in sources
+        if all(s in (r.get("searches_after_by_source") or {}) for r in runs)
+    }
+    out["em_change_pooled"] = {
+        part: pooled(runs, source=None if part == "all" else part) for part in ["all", *sources]
+    }
     out["seconds_per_run"] = mean(r["seconds"] for r in runs)
     return out
+
+
+def pooled(runs: list[dict], baseline: list[dict] | None = None, *, source: str | None = None):
+    """The paired change of held-out EM over every seed's questions at once (a pair per
+    seed and question, ``source``'s questions only when given), with its 95 % bootstrap
+    interval (:func:`ray_credit.stats.paired_difference`): EM after training minus before
+    it, or, with ``baseline`` (another method's runs), minus the baseline's EM after
+    training on the same seed, whose held-out questions and warm-start are the same.
+    None where a run has no per-question outcomes (recorded before they were kept) or no
+    seed is shared."""
+    from ray_credit.stats import paired_difference
+
+    by_seed = {r["seed"]: r for r in baseline or []}
+    first, second = {}, {}
+    for run in runs:
+        if "correct_after" not in run:
+            return None
+        if baseline is None:
+            reference = run["correct_before"]
+        elif run["seed"] in by_seed and "correct_after" in by_seed[run["seed"]]:
+            reference = by_seed[run["seed"]]["correct_after"]
+        else:
+            continue
+        for question, after in run["correct_after"].items():
+            if source is None or run["source"][question] == source:
+                first[f"{run['seed']}:{question}"] = reference[question]
+                second[f"{run['seed']}:{question}"] = after
+    return paired_difference(first, second) if first else None
 
 
 def _interval(values: list[float]) -> dict:
@@ -294,23 +349,26 @@ def _t975(dof: int) -> float:
 
 
 def table(report: dict) -> str:
-    """The report as a Markdown table: EM after training with its interval across seeds,
-    the mean paired change (all, then per data source), seeds whose own paired interval
-    excludes 0, group shares, searches per trajectory and wall time per run."""
+    """The report as two Markdown tables. Across seeds: EM after training with its
+    t-interval, the mean of the per-seed paired changes (all, then per data source),
+    seeds whose own paired interval excludes 0 either way, group shares, searches per
+    question after training and wall time per run. Pooled: the paired changes over every
+    seed's questions at once, from before training and against the baseline (GRPO)."""
     methods = report["methods"]
     sources = sorted({s for agg in methods.values() for s in agg["em_change_by_source"]})
     head = ["method", "seeds", "EM before", "EM after [95% CI]", "change [95% CI]"]
     head += [f"{s} change" for s in sources]
-    head += ["seeds +/-", "all-wrong", "zero-adv", "searches", "s/run"]
+    head += ["seeds +/-", "all-wrong", "zero-adv", "searches (" + " / ".join(sources) + ")"]
+    head += ["s/run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, agg in methods.items():
-        change = agg["em_change"]
+        searches = agg.get("searches_after_by_source") or {}
         row = [
             method,
             str(agg["em_after"]["n"]),
             f"{agg['em_before']['mean']:.3f}",
             _with_ci(agg["em_after"], "{:.3f}"),
-            _with_ci(change, "{:+.3f}"),
+            _with_ci(agg["em_change"], "{:+.3f}"),
             *(
                 _with_ci(agg["em_change_by_source"][s], "{:+.3f}")
                 if s in agg["em_change_by_source"]
@@ -320,11 +378,36 @@ def table(report: dict) -> str:
             f"{agg['seeds_with_significant_gain']}/{agg['seeds_with_significant_loss']}",
             _fmt(agg["groups_all_wrong"], "{:.2f}"),
             _fmt(agg["groups_zero_advantage"], "{:.2f}"),
-            _fmt(agg["searches_after"], "{:.2f}"),
+            " / ".join(_fmt(searches.get(s), "{:.2f}") for s in sources),
             f"{agg['seconds_per_run']:.0f}",
         ]
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    baseline = report.get("baseline")
+    parts = ["all", *sources]
+    head = ["method", *(f"{p} change" for p in parts)]
+    if baseline:
+        head += [f"{p}: after - {baseline}'s after" for p in parts]
+    pooled_lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, agg in methods.items():
+        row = [method, *(_paired(agg["em_change_pooled"].get(p)) for p in parts)]
+        if baseline:
+            versus = agg.get("vs_baseline") or {}
+            row += [_paired(versus.get(p)) if method != baseline else "-" for p in parts]
+        pooled_lines.append("| " + " | ".join(row) + " |")
+    return (
+        "\n".join(lines)
+        + "\n\nPooled over the seeds (a pair per seed and held-out question; 95 % paired "
+        "bootstrap interval; questions better / worse):\n\n" + "\n".join(pooled_lines)
+    )
+
+
+def _paired(change: dict | None) -> str:
+    if change is None:
+        return "n/a"
+    return (
+        f"{change['diff']:+.3f} [{change['low']:+.3f}, {change['high']:+.3f}] "
+        f"({change['better']}/{change['worse']})"
+    )
 
 
 def _with_ci(stat: dict, fmt: str) -> str:

@@ -105,3 +105,28 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         learning.main([*argv, "--set", "name=x"])
     assert "the study names and places its runs" in capsys.readouterr().err
+
+
+def test_pooled_changes_pair_by_seed_and_question():
+    """The pooled changes: a pair per (seed, question), from before training or against
+    the baseline's EM after training on the same seed; per data source on request."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learning import pooled
+
+    def run(seed, before, after):
+        keys = [f"q{i}" for i in range(len(before))]
+        return {"seed": seed, "correct_before": dict(zip(keys, before, strict=True)),
+                "correct_after": dict(zip(keys, after, strict=True)),
+                "source": {k: ("1hop", "2hop")[i % 2] for i, k in enumerate(keys)}}  # fmt: skip
+
+    tspo = [run(0, [0, 0, 1, 1], [1, 1, 1, 0]), run(1, [0, 1, 0, 1], [1, 1, 1, 1])]
+    grpo = [run(0, [0, 0, 1, 1], [0, 1, 1, 1]), run(1, [0, 1, 0, 1], [0, 1, 0, 1])]
+    change = pooled(tspo)  # seed 0: 2 better, 1 worse; seed 1: 2 better
+    assert (change["n"], change["better"], change["worse"]) == (8, 4, 1)
+    assert abs(change["diff"] - 3 / 8) < 1e-12 and change["low"] <= change["diff"]
+    versus = pooled(tspo, grpo)  # seed 0: q0 better, q3 worse; seed 1: q0 and q2 better
+    assert (versus["n"], versus["better"], versus["worse"]) == (8, 3, 1)
+    one_hop = pooled(tspo, source="1hop")  # q0 and q2 of each seed, all four better but one
+    assert (one_hop["n"], one_hop["better"], one_hop["worse"]) == (4, 3, 0)
+    assert pooled(tspo, [run(7, [0], [1])]) is None  # no seed in common
+    assert pooled([{k: v for k, v in tspo[0].items() if k != "correct_after"}]) is None
