@@ -213,7 +213,17 @@ class TrajectoryBatch:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_table(cls, table: pa.Table) -> TrajectoryBatch:
-        """Wrap and validate an Arrow table (columns are cast to the schema's types)."""
+        """Wrap and validate an Arrow table (columns are cast to the schema's types).
+
+        A cast that would change data is refused: a struct field the schema lacks (the
+        cast would drop it), a number other than 0/1 for a bool, a fraction for an
+        integer, a float64 beyond float32's range."""
+        if not isinstance(table, pa.Table):
+            raise TypeError(
+                f"from_table takes a pyarrow.Table, got {type(table).__name__}; build one "
+                "with pyarrow.table({name: values}), or pass a list of dicts (one per "
+                "trajectory) to TrajectoryBatch.from_records"
+            )
         return cls(_cast_known_columns(table))
 
     @classmethod
@@ -222,7 +232,10 @@ class TrajectoryBatch:
 
         A turn may omit struct fields (they become null) but not add any: a field it
         does not know (a typo) raises, as does a string where a list is due (``gold_answers
-        = 'Bob'``). Unknown columns are kept with the type Arrow infers for them.
+        = 'Bob'``), as does a fraction for an integer (``policy_version = 1.7``). Unknown
+        columns are kept with the type Arrow infers for them, unless the name is a near
+        miss of a schema column (``data_sorce``): declare a new column that close to a
+        known one with :func:`register_columns`.
         """
         if isinstance(records, Mapping):
             _fail("from_records takes a list of dicts, one per trajectory, and got one dict; "
@@ -235,17 +248,8 @@ class TrajectoryBatch:
             for key in rec:
                 if key not in names:
                     names.append(key)
-        arrays = {}
-        for name in names:
-            values = [rec.get(name) for rec in records]
-            spec = COLUMNS.get(name)
-            try:
-                arrays[name] = pa.array(values, type=spec.type if spec else None)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
-                expected = spec.type if spec else "a consistent type"
-                bad = _first_bad_record(values, spec.type) if spec else None
-                where = f" (first bad row: {bad})" if bad is not None else ""
-                _fail(f"column {name!r} cannot be built as {expected}{where}: {exc}")
+        _check_names(names)
+        arrays = {name: _build_column(name, [rec.get(name) for rec in records]) for name in names}
         return cls(pa.table(arrays))
 
     def to_records(self) -> list[dict[str, Any]]:
@@ -497,6 +501,8 @@ class TrajectoryBatch:
         Each array has one value per flat turn, in the order of :meth:`turn_values`.
         ``metrics`` are merged into the batch's metrics. The input batch is unchanged.
         """
+        _check_mapping(columns, "with_turn_columns", "one numpy array per column")
+        _check_names(columns)
         turns = self.column("turns")
         offsets = (
             turns.offsets if turns.offset == 0 else pa.array(self.turn_offsets.astype(np.int32))
@@ -514,20 +520,29 @@ class TrajectoryBatch:
                 values = values.astype(value_type.to_pandas_dtype())
             array = pa.ListArray.from_arrays(offsets, pa.array(values, type=value_type))
             table = _set_column(table, name, array)
-        return self._derived(table, metrics)  # aligned by construction: built on the turn offsets
+        out = self._derived(table, metrics)  # aligned by construction: built on the turn offsets
+        out._validate_numbers(columns)  # an estimator's NaN/inf stops here, not in the loss
+        return out
 
     def with_traj_columns(
         self, columns: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None
     ) -> TrajectoryBatch:
         """A new batch with per-trajectory columns added (or replaced)."""
+        _check_mapping(columns, "with_traj_columns", "one value per trajectory per column")
+        _check_names(columns)
         table = self._table
         for name, values in columns.items():
             spec = COLUMNS.get(name)
-            array = (
-                values
-                if isinstance(values, pa.Array)
-                else pa.array(values, type=spec.type if spec else None)
-            )
+            if not isinstance(values, pa.Array):
+                as_sequence = isinstance(values, (Sequence, np.ndarray)) or not isinstance(
+                    values, Iterable
+                )
+                array = _build_column(name, values if as_sequence else list(values))
+            elif spec is not None and not values.type.equals(spec.type):
+                _refuse_lossy_cast(name, values, spec.type)
+                array = values.cast(spec.type)
+            else:
+                array = values
             if len(array) != len(self):
                 _fail(
                     f"{name!r}: expected {len(self)} values (one per trajectory), got {len(array)}"
@@ -535,13 +550,19 @@ class TrajectoryBatch:
             table = _set_column(table, name, array)
         out = self._derived(table, metrics)
         out._validate_alignment(columns)
+        out._validate_numbers(columns)
+        if "outcome_reward" in columns:
+            out._validate_rewards()
+        if any(name in _NULL_FIX for name in columns):
+            out._validate_required()
         return out
 
     def with_metrics(self, metrics: Mapping[str, float]) -> TrajectoryBatch:
+        """A new batch with ``metrics`` (name -> number) merged into its metrics."""
         return self._derived(self._table, metrics)
 
     def _derived(self, table: pa.Table, metrics: Mapping[str, float] | None) -> TrajectoryBatch:
-        merged = {**self.metrics, **{k: float(v) for k, v in (metrics or {}).items()}}
+        merged = {**self.metrics, **_metric_values(metrics or {})}
         meta = dict(table.schema.metadata or {})
         meta[_METRICS_KEY] = json.dumps(merged).encode()
         out = TrajectoryBatch(table.replace_schema_metadata(meta), validate=False)
@@ -560,9 +581,25 @@ class TrajectoryBatch:
 
     def select(self, rows: np.ndarray | Sequence[int]) -> TrajectoryBatch:
         """A new batch with the given rows (trajectories), in that order."""
-        return TrajectoryBatch(
-            self._table.take(pa.array(np.asarray(rows, dtype=np.int64))), validate=False
-        )
+        if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, (Iterable, np.ndarray)):
+            raise TypeError(
+                f"select takes a sequence of row numbers, got {type(rows).__name__}; "
+                "e.g. batch.select([0, 2]) or batch.select(np.flatnonzero(mask))"
+            )
+        index = np.asarray(rows if isinstance(rows, (Sequence, np.ndarray)) else list(rows))
+        if index.size == 0:
+            index = index.astype(np.int64)
+        if index.ndim != 1 or index.dtype.kind not in "iu":
+            got = f"{index.dtype} values" if index.ndim == 1 else f"shape {index.shape}"
+            hint = " (a boolean mask: pass np.flatnonzero(mask))" if index.dtype == bool else ""
+            raise TypeError(f"select takes a 1-d sequence of integer row numbers, got {got}{hint}")
+        if index.size and (index.min() < 0 or index.max() >= len(self)):
+            bad = int(index[(index < 0) | (index >= len(self))][0])
+            raise IndexError(
+                f"select: row {bad} is out of range for a batch of {len(self)} trajectories; "
+                f"rows are 0..{len(self) - 1}"
+            )
+        return TrajectoryBatch(self._table.take(pa.array(index.astype(np.int64))), validate=False)
 
     @classmethod
     def concat(cls, batches: Sequence[TrajectoryBatch]) -> TrajectoryBatch:
@@ -584,6 +621,18 @@ class TrajectoryBatch:
         ``turn_clip_scale`` through ``token_turn``; prompt and padding get 0 (1 for the
         clip scale).
         """
+        if isinstance(pad_token_id, (bool, np.bool_)) or not isinstance(
+            pad_token_id, (int, np.integer)
+        ):
+            raise TypeError(
+                f"to_torch: pad_token_id is a token id, an integer, got {pad_token_id!r} "
+                f"({type(pad_token_id).__name__}); pass the tokenizer's pad_token_id"
+            )
+        if not -(2**63) <= pad_token_id < 2**63:
+            raise ValueError(
+                f"to_torch: pad_token_id {pad_token_id} does not fit the int64 input_ids "
+                "tensor; pass the tokenizer's pad_token_id"
+            )
         import torch
 
         self.require(TOKEN_COLUMNS, by="to_torch")
@@ -625,6 +674,7 @@ class TrajectoryBatch:
         names = self._table.column_names
         if self._table.num_rows == 0:
             _fail("the batch has no rows; a TrajectoryBatch holds at least one trajectory")
+        _check_names(names)
         missing = [c for c in REQUIRED if c not in names]
         if missing:
             _fail(
@@ -638,10 +688,12 @@ class TrajectoryBatch:
                     "build the batch with TrajectoryBatch.from_records/from_table, which cast it"
                 )
         self._validate_ids()
+        self._validate_required()
         self._validate_turns()
         self._validate_rewards()
         self._validate_golds()
         self._validate_alignment(names)
+        self._validate_numbers(names)
         self._validate_tokens(names)
         return self
 
@@ -713,15 +765,45 @@ class TrajectoryBatch:
             _fail(
                 f"{self._row(i)}: 'outcome_reward' is {values[i]}; rewards must be finite numbers"
             )
-        if "turn_info_gain" in self:
-            ig = self.turn_values("turn_info_gain", null=0.0)
-            bad = np.flatnonzero(~np.isfinite(ig))
+
+    def _validate_required(self) -> None:
+        """Nulls in the required columns whose own checks do not catch them."""
+        for name, fix in _NULL_FIX.items():
+            column = self.column(name)
+            if column.null_count:
+                i = int(np.flatnonzero(~valid_mask(column))[0])
+                _fail(f"{self._row(i)}: {name!r} is null; {fix}")
+
+    def _validate_numbers(self, names: Iterable[str]) -> None:
+        """Every float in a schema column (trajectory or turn level) is finite; a clip
+        scale is >= 0. Numpy over the flat values buffers; token columns are checked in
+        :meth:`_validate_tokens`. Turn columns must be aligned first (the flat index is
+        the flat turn)."""
+        for name in names:
+            spec = COLUMNS.get(name)
+            if spec is None or spec.align == "token" or name == "outcome_reward":
+                continue  # outcome_reward: _validate_rewards
+            column = self.column(name)
+            flat = column.flatten() if spec.align == "turn" else column
+            if not pa.types.is_floating(flat.type):
+                continue
+            values, valid = numeric_view(flat)
+            if values is None:
+                continue
+            bad = np.flatnonzero(valid & ~np.isfinite(values))
+            fix = _NON_FINITE_FIX.get(name, f"{name!r} holds finite numbers")
+            if not len(bad) and name == "turn_clip_scale":
+                bad = np.flatnonzero(valid & (values < 0))
+                fix = "a clip-range scale is >= 0 (1 = unscaled)"
             if len(bad):
                 k = int(bad[0])
-                _fail(
-                    f"{self._row(int(self.turn_traj_index[k]))}, turn {int(self.turn_position[k])}: "
-                    f"'turn_info_gain' is {ig[k]}; store a missing gain as null, not NaN/inf"
-                )
+                if np.isinf(values[k]) and flat.type == pa.float32():
+                    fix += f"; {_FLOAT32_RANGE}"
+                if spec.align == "turn":
+                    where = f"{self._row(int(self.turn_traj_index[k]))}, turn {int(self.turn_position[k])}"
+                else:
+                    where = self._row(k)
+                _fail(f"{where}: {name!r} is {values[k]}; {fix}")
 
     def _validate_golds(self) -> None:
         from ray_credit.qa import normalize_answer
@@ -798,6 +880,20 @@ class TrajectoryBatch:
                 f"{self._row(int(self.token_traj_index[k]))}: loss_mask is {mask[k]} at a token with token_turn "
                 f"{token_turn[k]}; the mask is 0/1 and only turn tokens (token_turn >= 0) can be trained on"
             )
+        logprobs, valid = numeric_view(self.column("behavior_logprobs").flatten())
+        if logprobs is not None:
+            bad = np.flatnonzero(valid & ~np.isfinite(logprobs))
+            fix = "log-probs are finite numbers (0 on tokens the policy did not generate)"
+            if not len(bad):
+                bad = np.flatnonzero(valid & (logprobs > 0) & (mask == 1))
+                fix = "a log-probability is <= 0; store the sampler's log-probs, not probabilities"
+            if len(bad):
+                k = int(bad[0])
+                i = int(self.token_traj_index[k])
+                _fail(
+                    f"{self._row(i)}: behavior_logprobs is {logprobs[k]} at token "
+                    f"{k - self.token_offsets[i]} (loss_mask {mask[k]}); {fix}"
+                )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -868,9 +964,12 @@ def _cast_known_columns(table: pa.Table) -> pa.Table:
     ):
         # Re-encode: a dictionary from elsewhere may repeat values or use other index types.
         table = _set_column(table, "group_id", table.column("group_id").cast(pa.string()))
+    _check_names(table.column_names)
     for name in table.column_names:
         spec = COLUMNS.get(name)
         if spec is not None and not table.schema.field(name).type.equals(spec.type):
+            for chunk in table.column(name).chunks:
+                _refuse_lossy_cast(name, chunk, spec.type)
             try:
                 table = _set_column(table, name, table.column(name).cast(spec.type))
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
@@ -882,6 +981,212 @@ def _cast_known_columns(table: pa.Table) -> pa.Table:
 
 
 _TURN_FIELDS = tuple(field.name for field in TURN_STRUCT)
+_NULL_FIX = {
+    "question": "give every trajectory its question (the text the policy was prompted with)",
+    "gold_answers": "give every trajectory a list of accepted answers",
+}
+"""Required columns that :meth:`TrajectoryBatch._validate_required` checks for nulls (the
+others have checks of their own), and what to do about one."""
+_NON_FINITE_FIX = {"turn_info_gain": "store a missing gain as null, not NaN/inf"}
+_FLOAT32_RANGE = "the column is float32, whose range ends near 3.4e38: larger values become inf"
+
+
+def _check_names(names: Iterable[str]) -> None:
+    """Refuse a column name that is a near miss of a schema column (``data_sorce``,
+    ``turn_advantage``): kept as an unknown column, it would leave the column it was meant
+    to be missing or stale. A name further away is a new column and kept as is."""
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"a column name is a str, got {name!r} ({type(name).__name__})")
+        if name in COLUMNS:
+            continue
+        close = _near_miss(name)
+        if close is not None:
+            _fail(
+                f"column {name!r} is not in the schema; did you mean {close!r}? Rename it "
+                f"(ray_credit.batch.COLUMNS lists the columns), or declare {name!r} with "
+                "ray_credit.batch.register_columns first if it is a new column"
+            )
+
+
+def _near_miss(name: str) -> str | None:
+    """The schema column ``name`` is at most 2 edits from (and fewer than a quarter of
+    its length), or None."""
+    best, best_distance = None, 3
+    for known in difflib.get_close_matches(name, list(COLUMNS), n=3, cutoff=0.6):
+        distance = _edit_distance(name, known)
+        if distance < best_distance and 4 * distance < len(name):
+            best, best_distance = known, distance
+    return best
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions) of two short names."""
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def _check_mapping(columns: Any, method: str, what: str) -> None:
+    if not isinstance(columns, Mapping):
+        raise TypeError(
+            f"{method} takes a dict of columns (name -> {what}), got {type(columns).__name__}"
+        )
+
+
+def _metric_values(metrics: Any) -> dict[str, float]:
+    """``metrics`` as ``{str: float}``; anything else (a list, a text value, a non-str
+    name) raises rather than being dropped or converted in JSON."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"metrics are a dict of name -> number, got {type(metrics).__name__}; e.g. "
+            "batch.with_metrics({'gen/answered': 12.0})"
+        )
+    out = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metric names are str, got {key!r} ({type(key).__name__})")
+        if isinstance(value, (str, bytes)) or not isinstance(value, (int, float, np.number)):
+            raise TypeError(
+                f"metric {key!r} is {value!r} ({type(value).__name__}); a metric is a number "
+                "(a count, a rate, seconds): store text elsewhere, e.g. as a column"
+            )
+        out[key] = float(value)
+    return out
+
+
+def _build_column(name: str, values: Any) -> pa.Array:
+    """One column from Python values (from_records, with_traj_columns): the schema's type
+    for a known column, Arrow's inference for another.
+
+    Arrow truncates a Python float given for an integer (``policy_version = 1.7`` -> 1),
+    so a column with integer leaves is first built as Arrow infers it, checked by
+    :func:`_refuse_lossy_cast` and then cast; the typed build is the fallback (and says
+    what is wrong when the values do not fit)."""
+    spec = COLUMNS.get(name)
+    try:
+        if spec is not None and _has_integer_leaf(spec.type):
+            try:
+                inferred = pa.array(values)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+                inferred = None
+            if inferred is not None and _same_kinds(inferred.type, spec.type):
+                _refuse_lossy_cast(name, inferred, spec.type, unit="record")
+                try:
+                    return inferred.cast(spec.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                    pass  # the typed build below says what does not fit
+        return pa.array(values, type=spec.type if spec else None)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+        expected = spec.type if spec else "a consistent type"
+        bad = _first_bad_record(values, spec.type) if spec else None
+        where = f" (first bad row: {bad})" if bad is not None else ""
+        _fail(f"column {name!r} cannot be built as {expected}{where}: {exc}")
+
+
+def _is_list(type_: pa.DataType) -> bool:
+    return pa.types.is_list(type_) or pa.types.is_large_list(type_)
+
+
+def _has_integer_leaf(type_: pa.DataType) -> bool:
+    if _is_list(type_):
+        return _has_integer_leaf(type_.value_type)
+    if pa.types.is_struct(type_):
+        return any(_has_integer_leaf(field.type) for field in type_)
+    return pa.types.is_integer(type_)
+
+
+def _same_kinds(source: pa.DataType, target: pa.DataType) -> bool:
+    """``source`` (inferred from Python values) has ``target``'s shape and kinds of leaves,
+    numbers given where integers are due, so a cast changes nothing but the widths."""
+    if pa.types.is_null(source):
+        return True
+    if _is_list(source) and _is_list(target):
+        return _same_kinds(source.value_type, target.value_type)
+    if pa.types.is_struct(source) and pa.types.is_struct(target):
+        names = target.names
+        return all(
+            f.name in names and _same_kinds(f.type, target.field(f.name).type) for f in source
+        )
+    if pa.types.is_integer(target):
+        return pa.types.is_integer(source) or pa.types.is_floating(source)
+    return source.equals(target)
+
+
+def _refuse_lossy_cast(
+    name: str, array: pa.Array, target: pa.DataType, *, unit: str = "row"
+) -> None:
+    """Raise where casting ``array`` to ``target`` would change the data without a word:
+    a struct field ``target`` lacks (the cast drops it), a number other than 0/1 for a
+    bool (2 -> True), a fraction, NaN or inf for an integer (1.7 -> 1), a float64 beyond
+    float32's range (1e40 -> inf). Arrow's cast refuses the rest itself (an integer out of
+    range, text that is no number). Numpy over the flat values buffers."""
+    _walk_cast(name, array, target, [], [], unit)
+
+
+def _walk_cast(
+    name: str,
+    array: pa.Array,
+    target: pa.DataType,
+    fields: list[str],
+    offsets: list[np.ndarray],
+    unit: str,
+) -> None:
+    source = array.type
+    if source.equals(target) or pa.types.is_null(source):
+        return
+    if pa.types.is_dictionary(source):
+        array = array.dictionary_decode()
+        source = array.type
+    where = f"column {name!r}" + (f", field {'.'.join(fields)!r}," if fields else "")
+    if _is_list(source) and _is_list(target):
+        bounds = np.asarray(array.offsets, dtype=np.int64)
+        values = array.values.slice(int(bounds[0]), int(bounds[-1] - bounds[0]))
+        _walk_cast(name, values, target.value_type, fields, [*offsets, bounds - bounds[0]], unit)
+        return
+    if pa.types.is_struct(source) and pa.types.is_struct(target):
+        known = target.names
+        for field, child in zip(source, array.flatten(), strict=True):
+            if field.name not in known:
+                close = difflib.get_close_matches(field.name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                _fail(
+                    f"{where} has the struct field {field.name!r}{hint}, which the schema's "
+                    f"{name!r} does not have, so casting would drop it; its fields are "
+                    f"{known}: rename the field"
+                )
+            _walk_cast(
+                name, child, target.field(field.name).type, [*fields, field.name], offsets, unit
+            )
+        return
+    values, valid = numeric_view(array)
+    if values is None:
+        return
+    with np.errstate(invalid="ignore", over="ignore"):
+        if pa.types.is_boolean(target):
+            bad = valid & (values != 0) & (values != 1)
+            what = "which a cast to bool would read as True; store True/False (or 0/1)"
+        elif pa.types.is_integer(target) and pa.types.is_floating(source):
+            bad = valid & ~(np.isfinite(values) & (values == np.round(values)))
+            what = f"which a cast to {target} would not keep; give whole numbers"
+        elif target == pa.float32() and source == pa.float64():
+            bad = valid & np.isfinite(values) & (np.abs(values) > np.finfo(np.float32).max)
+            what = "beyond float32's range (about 3.4e38): the cast would make it inf"
+        else:
+            return
+    hits = np.flatnonzero(bad)
+    if len(hits):
+        k = int(hits[0])
+        value = values[k].item()
+        for bounds in reversed(offsets):  # the flat index -> the row that holds it
+            k = int(np.searchsorted(bounds[1:], k, side="right"))
+        _fail(
+            f"{unit} {k}: {where} is {target} in the schema, but holds {value!r} ({source}), {what}"
+        )
 
 
 def _check_record(i: int, rec: Any) -> None:

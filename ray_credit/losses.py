@@ -12,11 +12,14 @@ reference equations and the test vectors the unit tests reproduce.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from ray_credit.config import check_fields
 
 __all__ = [
     "AGG_MODES",
@@ -164,11 +167,14 @@ class PolicyLossConfig:
     """``"seq-mean-token-sum-norm"`` only: constant divisor; None uses the response length L."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if not 0.0 <= self.clip_low <= 1.0:
             raise ValueError(f"clip_low={self.clip_low} must lie in [0, 1], e.g. 0.2.")
-        if self.clip_high < 0.0:
-            raise ValueError(f"clip_high={self.clip_high} must be >= 0, e.g. 0.2 or 0.28 (DAPO).")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
+        if not 0.0 <= self.clip_high < math.inf:
+            raise ValueError(
+                f"clip_high={self.clip_high} must be finite and >= 0, e.g. 0.2 or 0.28 (DAPO)."
+            )
+        if self.dual_clip_c is not None and not 1.0 < self.dual_clip_c < math.inf:
             raise ValueError(
                 f"dual_clip_c={self.dual_clip_c} must be > 1 (verl uses 3.0); set None to disable."
             )
@@ -178,12 +184,13 @@ class PolicyLossConfig:
             raise ValueError(
                 f"ratio_level={self.ratio_level!r} is unknown; use one of {_RATIO_LEVELS}."
             )
-        if self.log_ratio_clamp <= 0 or self.turn_log_ratio_max <= 0:
+        if not (0 < self.log_ratio_clamp < math.inf and 0 < self.turn_log_ratio_max < math.inf):
             raise ValueError(
-                "log_ratio_clamp and turn_log_ratio_max must be > 0 (defaults 20 and 10)."
+                "log_ratio_clamp and turn_log_ratio_max must be finite and > 0 (defaults 20 "
+                f"and 10), got {self.log_ratio_clamp} and {self.turn_log_ratio_max}."
             )
         if self.loss_scale_factor is not None and (
-            self.loss_scale_factor <= 0 or self.agg_mode != "seq-mean-token-sum-norm"
+            not 0 < self.loss_scale_factor < math.inf or self.agg_mode != "seq-mean-token-sum-norm"
         ):
             raise ValueError(
                 f"loss_scale_factor={self.loss_scale_factor} must be > 0 and needs "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = [
     "ANSWER_SPLIT",
@@ -61,7 +61,12 @@ def _gold_list(golds: str | Iterable[str], *, what: str = "golds") -> list[str]:
     """Return ``golds`` as a non-empty list of str; a single str is wrapped into a list."""
     if isinstance(golds, str):
         return [golds]
-    if not isinstance(golds, Iterable):
+    if isinstance(golds, (bytes, bytearray)):
+        raise TypeError(
+            f"{what} must be a str or a sequence of str (the accepted answers), got the "
+            f"bytes {golds!r}: decode them first, e.g. golds.decode('utf-8')"
+        )
+    if isinstance(golds, Mapping) or not isinstance(golds, Iterable):
         raise TypeError(
             f"{what} must be a str or a sequence of str (the accepted answers), "
             f"got {type(golds).__name__}"
@@ -211,8 +216,11 @@ def turn_contains_gold(
     observations: Sequence[str | None], golds: str | Sequence[str]
 ) -> list[bool]:
     """:func:`contains_gold` for each turn's observation (``None`` where a turn had none)."""
-    if isinstance(observations, str):
-        raise TypeError("observations must be a sequence with one entry per turn, not one str")
+    if isinstance(observations, (str, bytes, Mapping)) or not isinstance(observations, Iterable):
+        raise TypeError(
+            "observations must be a sequence with one entry per turn (a str, or None where "
+            f"the turn had no observation), got {observations!r} ({type(observations).__name__})"
+        )
     gold_list = [normalize_answer(g) for g in _gold_list(golds)]
     out = []
     for i, obs in enumerate(observations):

@@ -24,8 +24,9 @@ __all__ = ["paired_difference", "proportion_interval"]
 
 
 def proportion_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a proportion ``successes / n``."""
+    """Wilson score interval of a proportion ``successes / n`` (two counts: integers)."""
     _check_confidence(confidence)
+    successes, n = _count(successes, "successes"), _count(n, "n")
     if n < 1:
         raise ValueError(f"a proportion needs n >= 1 observations, got {n}")
     if not 0 <= successes <= n:
@@ -53,8 +54,19 @@ def paired_difference(
     ``n`` (pairs), ``better`` / ``worse`` (questions that flipped each way).
     """
     _check_confidence(confidence)
+    resamples, seed = _count(resamples, "resamples"), _count(seed, "seed")
     if resamples < 100:
         raise ValueError(f"resamples must be >= 100 for a stable interval, got {resamples}")
+    if seed < 0:
+        raise ValueError(f"seed must be an integer >= 0 (numpy's seeds are), got {seed}")
+    for name, scores in (("before", before), ("after", after)):
+        if isinstance(scores, (str, bytes)) or not isinstance(
+            scores, (Mapping, Sequence, np.ndarray)
+        ):
+            raise TypeError(
+                f"{name} holds one score per question: a sequence (in question order) or a "
+                f"mapping from question id to score, got {scores!r} ({type(scores).__name__})"
+            )
     if isinstance(before, Mapping) != isinstance(after, Mapping):
         raise TypeError("before and after must both be mappings (by question id) or sequences")
     if isinstance(before, Mapping):
@@ -65,11 +77,10 @@ def paired_difference(
                 "held-out set twice"
             )
         keys = sorted(before)
-        a = np.asarray([before[k] for k in keys], dtype=np.float64)
-        b = np.asarray([after[k] for k in keys], dtype=np.float64)
+        a = _scores([before[k] for k in keys], "before", keys)
+        b = _scores([after[k] for k in keys], "after", keys)
     else:
-        a = np.asarray(before, dtype=np.float64)
-        b = np.asarray(after, dtype=np.float64)
+        a, b = _scores(before, "before"), _scores(after, "after")
         if a.shape != b.shape or a.ndim != 1:
             raise ValueError(
                 f"before and after need one score per question each, got {a.shape} and {b.shape}"
@@ -92,6 +103,52 @@ def paired_difference(
     }
 
 
+def _count(value: object, name: str) -> int:
+    """``value`` as an int: an integer (numpy's too) or a float with no fraction; not a
+    bool, a fraction or text."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if not float(value).is_integer():
+        raise ValueError(f"{name} must be a whole number (a count), got {value!r}")
+    return int(value)
+
+
+def _scores(values: Sequence[object] | np.ndarray, name: str, keys: Sequence[object] = ()):
+    """Per-question scores as float64: real, finite numbers (bools count as 0/1). A None,
+    a text or a NaN raises, naming the question, instead of turning the interval to NaN."""
+    array = np.asarray(values)
+
+    def where(i: int) -> str:
+        return f"{name}[{keys[i]!r}]" if keys else f"{name}[{i}]"
+
+    if array.dtype.kind not in "biuf":  # find the item that is no number
+        items = list(values) if array.ndim == 1 else array.reshape(-1)
+        for i, v in enumerate(items):
+            if isinstance(v, (str, bytes)) or not isinstance(v, (int, float, np.number, np.bool_)):
+                raise TypeError(
+                    f"{where(i)} is {v!r} ({type(v).__name__}); a score is a number (EM: 0 "
+                    "or 1): score a question with no answer as 0"
+                )
+    array = array.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(array.reshape(-1)))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"{where(i)} is {array.reshape(-1)[i]}; a score is a finite number (EM: 0 or 1): "
+            "score a question with no answer as 0"
+        )
+    return array
+
+
 def _check_confidence(confidence: float) -> None:
+    if isinstance(confidence, (bool, np.bool_)) or not isinstance(
+        confidence, (int, float, np.number)
+    ):
+        raise TypeError(
+            f"confidence must be a number in (0, 1), e.g. 0.95, got {confidence!r} "
+            f"({type(confidence).__name__})"
+        )
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")

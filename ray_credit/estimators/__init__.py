@@ -43,6 +43,11 @@ def register_estimator(estimator: Estimator, *, overwrite: bool = False) -> Esti
 
 def get_estimator(name: str) -> Estimator:
     """The registered estimator called ``name``; an unknown name lists the valid ones."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"get_estimator takes an estimator's name (a str), got {name!r} "
+            f"({type(name).__name__}); registered: {sorted(ESTIMATORS)}"
+        )
     try:
         return ESTIMATORS[name]
     except KeyError:

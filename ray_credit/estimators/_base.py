@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.config import check_fields
 
 __all__ = ["Estimator", "ZERO_ADVANTAGE_TOL", "advantage_metrics"]
 
@@ -55,13 +56,43 @@ class Estimator:
     group_local: bool = True
 
     def __post_init__(self) -> None:
-        if not dataclasses.is_dataclass(self.config_cls):
-            raise TypeError(f"estimator {self.name!r}: config_cls must be a dataclass")
+        if not isinstance(self.name, str):
+            raise TypeError(
+                f"an Estimator's name is a str (what get_estimator looks it up by), got "
+                f"{self.name!r} ({type(self.name).__name__})"
+            )
+        if not self.name.strip():
+            raise ValueError(
+                f"an Estimator's name is a non-empty str (what get_estimator looks it up "
+                f"by), got {self.name!r}"
+            )
+        if not callable(self.fn):
+            raise TypeError(
+                f"estimator {self.name!r}: fn is the function fn(batch, config) -> batch, "
+                f"got {self.fn!r} ({type(self.fn).__name__})"
+            )
+        if isinstance(self.requires, (str, bytes)) or not isinstance(self.requires, (tuple, list)):
+            raise TypeError(
+                f"estimator {self.name!r}: requires is a tuple of column names, e.g. "
+                f"('turns',), got {self.requires!r} ({type(self.requires).__name__})"
+            )
+        bad = [c for c in self.requires if not isinstance(c, str) or not c]
+        if bad:
+            raise TypeError(
+                f"estimator {self.name!r}: requires holds column names (non-empty str), "
+                f"got {bad[0]!r} in {self.requires!r}"
+            )
+        object.__setattr__(self, "requires", tuple(self.requires))  # frozen: a list -> tuple
+        if not isinstance(self.config_cls, type) or not dataclasses.is_dataclass(self.config_cls):
+            raise TypeError(
+                f"estimator {self.name!r}: config_cls must be a dataclass, got {self.config_cls!r}"
+            )
         if isinstance(self.signals, (str, tuple, list)):
             raise TypeError(
                 f"estimator {self.name!r}: signals maps each signal's name to the settings "
                 "the paper uses, e.g. {'info_gain': {}}"
             )
+        check_fields(self)  # description, group_local
 
     def make_config(self, config: Any = None, **params: Any) -> Any:
         if config is not None and not isinstance(config, self.config_cls):

@@ -6,6 +6,7 @@ composite (group, turn) code), so an estimator never loops over groups in Python
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ray_credit.batch import TrajectoryBatch, bool_values, numeric_view
+from ray_credit.config import check_fields
 
 SINGLETON_POLICIES = ("zero_mean_unit_std", "center")
 
@@ -35,9 +37,9 @@ class NormSpec:
     var_eps: float = 0.0
 
     def __post_init__(self) -> None:
+        check_fields(self)
         check_norm_params(std_ddof=self.ddof, eps=self.eps, singleton_policy=self.singleton)
-        if self.var_eps < 0:
-            raise ValueError(f"var_eps must be >= 0, got {self.var_eps}")
+        check_var_eps(self.var_eps)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class GRPOKnobs:
     """One-member group: "zero_mean_unit_std" (verl, A = r/(1+eps)) or "center" (A = 0)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         check_norm_params(
             std_ddof=self.std_ddof, eps=self.eps, singleton_policy=self.singleton_policy
         )
@@ -67,15 +70,34 @@ class GRPOKnobs:
         )
 
 
-def check_norm_params(*, std_ddof: int, eps: float, singleton_policy: str = "center") -> None:
-    """Validate the fidelity knobs every estimator shares (raises ValueError)."""
+def check_norm_params(
+    *, std_ddof: int = 0, eps: float | None = None, singleton_policy: str = "center"
+) -> None:
+    """Validate the fidelity knobs every estimator shares (raises ValueError; the config's
+    :func:`~ray_credit.config.check_fields` has refused values of the wrong type first).
+
+    ``eps`` (None: the caller has none) must be finite and > 0: it keeps the division of
+    an all-equal group, 0 / (0 + eps), at 0, and an infinite eps zeroes every advantage.
+    """
     if std_ddof not in (0, 1):
         raise ValueError(f"std_ddof must be 0 (population) or 1 (sample), got {std_ddof!r}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if eps is not None and not 0 < eps < math.inf:
+        raise ValueError(
+            f"eps must be a finite number > 0 (it is added to the std so that an all-equal "
+            f"group divides 0 by eps, not by 0), got {eps!r}; verl uses 1e-6"
+        )
     if singleton_policy not in SINGLETON_POLICIES:
         raise ValueError(
             f"singleton_policy must be one of {SINGLETON_POLICIES}, got {singleton_policy!r}"
+        )
+
+
+def check_var_eps(var_eps: float) -> None:
+    """``var_eps`` (added to the variance under the square root) is finite and >= 0."""
+    if not 0 <= var_eps < math.inf:
+        raise ValueError(
+            f"var_eps must be a finite number >= 0 (an infinite one zeroes every "
+            f"advantage), got {var_eps!r}"
         )
 
 

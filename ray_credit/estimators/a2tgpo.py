@@ -49,10 +49,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.config import check_fields
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
     NormSpec,
     check_norm_params,
+    check_var_eps,
     grpo_advantage,
     normalize_where,
     reverse_discounted_sum,
@@ -84,17 +86,20 @@ class A2TGPOConfig:
     """True: a turn group is keyed by the IG-turn ordinal, not the turn position."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         check_norm_params(std_ddof=self.std_ddof, eps=self.eps)
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma is a discount in [0, 1], got {self.gamma}")
-        if not self.ig_weight >= 0:
-            raise ValueError(f"ig_weight must be >= 0, got {self.ig_weight}")
+        if not 0 <= self.ig_weight < np.inf:
+            raise ValueError(
+                f"ig_weight must be a finite number >= 0 (an infinite weight makes the "
+                f"advantages inf or NaN), got {self.ig_weight}"
+            )
         if not 0.0 <= self.clip_beta < 1.0:
             raise ValueError(
                 f"clip_beta must be in [0, 1) so the clip scale stays > 0, got {self.clip_beta}"
             )
-        if not self.var_eps >= 0:
-            raise ValueError(f"var_eps must be >= 0, got {self.var_eps}")
+        check_var_eps(self.var_eps)
         if self.norm_mode not in NORM_MODES:
             raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {self.norm_mode!r}")
 

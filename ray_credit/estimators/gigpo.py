@@ -55,6 +55,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ray_credit.batch import TrajectoryBatch, valid_mask
+from ray_credit.config import check_fields
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
     NormSpec,
@@ -92,6 +93,7 @@ class GiGPOConfig:
     """Subtracted from an invalid turn's return and episode reward (run_search.sh: 0.01)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         check_norm_params(std_ddof=self.std_ddof, eps=self.eps)
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma is a discount in [0, 1], got {self.gamma}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.config import check_fields
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
     GRPOKnobs,
@@ -51,7 +52,8 @@ class RLOOConfig:
     """One-member group: "zero_mean_unit_std" (verl keeps A = r) or "center" (A = 0)."""
 
     def __post_init__(self) -> None:
-        check_norm_params(std_ddof=0, eps=0.0, singleton_policy=self.singleton_policy)
+        check_fields(self)
+        check_norm_params(singleton_policy=self.singleton_policy)
 
 
 def grpo(batch: TrajectoryBatch, config: GRPOConfig) -> TrajectoryBatch:

@@ -48,10 +48,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.config import check_fields
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
     NormSpec,
     check_norm_params,
+    check_var_eps,
     normalize_where,
     reverse_discounted_sum,
 )
@@ -78,13 +80,13 @@ class IGPOConfig:
     """True: turns whose normalized reward is exactly 0 (or missing) are not boundaries."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         check_norm_params(std_ddof=self.std_ddof, eps=self.eps)
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma is a discount in [0, 1], got {self.gamma}")
         if self.norm_mode not in NORM_MODES:
             raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {self.norm_mode!r}")
-        if not self.var_eps >= 0:
-            raise ValueError(f"var_eps must be >= 0, got {self.var_eps}")
+        check_var_eps(self.var_eps)
 
     def norm_spec(self) -> NormSpec:
         return NormSpec(ddof=self.std_ddof, eps=self.eps, singleton="center", var_eps=self.var_eps)

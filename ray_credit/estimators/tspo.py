@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.config import check_fields
 from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
     check_norm_params,
@@ -74,6 +75,7 @@ class TSPOConfig:
     """"final_reward": pad short trajectories with their last turn's reward (Discussion 1)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         check_norm_params(std_ddof=self.std_ddof, eps=self.eps)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha is a partial reward in [0, 1] (Eq. 6), got {self.alpha}")

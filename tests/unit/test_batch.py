@@ -384,3 +384,165 @@ def test_random_batch_token_columns_line_up_with_turns():
     logprobs = batch.token_values("behavior_logprobs")
     assert (logprobs[mask == 1] < 0).all() and (logprobs[mask == 0] == 0).all()
     assert turn.max() == batch.turn_counts.max() - 1
+
+
+# ------------------------------------------------------- bad input: refused, never changed
+def core_table(**extra):
+    columns = {
+        "group_id": ["g", "g"],
+        "traj_id": ["t0", "t1"],
+        "question": ["q", "q"],
+        "gold_answers": [["Ada"], ["Ada"]],
+        "turns": [[{"action": "search"}, {"action": "answer"}], [{"action": "answer"}]],
+        "outcome_reward": [1.0, 0.0],
+    }
+    return pa.table({**columns, **extra})
+
+
+def test_from_table_refuses_casts_that_would_change_data():
+    """Arrow's cast drops a struct field the schema lacks, reads 2 as True and makes 1e40
+    inf in float32; from_records refuses the first two already, from_table must too."""
+    turns = pa.array([[{"text": "x", "acton": "search"}, {"action": "answer"}], [{}]])
+    with pytest.raises(
+        BatchValidationError, match=r"struct field 'acton' \(did you mean 'action'\?\)"
+    ):
+        TrajectoryBatch.from_table(core_table(turns=turns))
+    gold = pa.array([[0, 2], [1]], pa.list_(pa.int64()))
+    with pytest.raises(
+        BatchValidationError, match=r"row 0: column 'turn_contains_gold' .* holds 2"
+    ):
+        TrajectoryBatch.from_table(core_table(turn_contains_gold=gold))
+    version = pa.array([[{"policy_version": 1.5}, {}], [{}]])
+    with pytest.raises(BatchValidationError, match=r"field 'policy_version'.* holds 1.5"):
+        TrajectoryBatch.from_table(core_table(turns=version))
+    rewards = pa.array([[0.0, 0.0], [1e40]], pa.list_(pa.float64()))
+    with pytest.raises(
+        BatchValidationError, match=r"row 1: column 'turn_rewards'.*float32's range"
+    ):
+        TrajectoryBatch.from_table(core_table(turn_rewards=rewards))
+    # lossless casts still go through: 0/1 integers as booleans, whole floats as integers
+    ok = TrajectoryBatch.from_table(
+        core_table(turn_contains_gold=pa.array([[0, 1], [1]], pa.list_(pa.int64())))
+    )
+    assert ok.column("turn_contains_gold").to_pylist() == [[False, True], [True]]
+    with pytest.raises(TypeError, match="from_table takes a pyarrow.Table, got dict"):
+        TrajectoryBatch.from_table(core_table().to_pydict())
+
+
+def test_from_records_refuses_a_fraction_for_an_integer():
+    rec = record()
+    rec["turns"][0]["policy_version"] = 1.7
+    bad([rec], r"record 0: column 'turns', field 'policy_version', .* holds 1.7")
+    rec = with_tokens(record())
+    rec["input_ids"][4] = 2.5
+    bad([rec], r"column 'input_ids' .* holds 2.5")
+    rec = record()
+    rec["turns"][0]["policy_version"] = 2.0  # a whole float is kept as the integer it is
+    assert TrajectoryBatch.from_records([rec]).to_records()[0]["turns"][0]["policy_version"] == 2
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"turn_advantages": [float("nan"), 1.0]}, r"turn 0: 'turn_advantages' is nan"),
+        ({"turn_rewards": [1.0, float("inf")]}, r"turn 1: 'turn_rewards' is inf"),
+        ({"turn_rewards": [1e40, 1.0]}, r"'turn_rewards' is inf.*float32"),
+        (
+            {"turn_clip_scale": [-1.0, 1.0]},
+            r"'turn_clip_scale' is -1.0; a clip-range scale is >= 0",
+        ),
+    ],
+)
+def test_non_finite_turn_columns_and_negative_clip_scale(extra, match):
+    bad([record(**extra)], match)
+
+
+@pytest.mark.parametrize(
+    "logprob, match",
+    [(float("nan"), "behavior_logprobs is nan at token 3"), (0.5, "a log-probability is <= 0")],
+)
+def test_bad_behavior_logprobs(logprob, match):
+    rec = with_tokens(record())
+    rec["behavior_logprobs"][3] = logprob
+    bad([rec], match)
+
+
+def test_estimator_output_must_be_finite():
+    batch = TrajectoryBatch.from_records([record("t0"), record("t1")])
+    with pytest.raises(
+        BatchValidationError, match=r"row 1 \(traj_id='t1'\), turn 0: 'turn_advantages' is nan"
+    ):
+        batch.with_turn_columns({"turn_advantages": np.array([0.0, 1.0, np.nan, 1.0])})
+    with pytest.raises(BatchValidationError, match="'outcome_reward' is inf"):
+        batch.with_traj_columns({"outcome_reward": [1.0, np.inf]})
+
+
+@pytest.mark.parametrize(
+    "name, meant",
+    [
+        ("turn_contain_gold", "turn_contains_gold"),
+        ("data_sorce", "data_source"),
+        ("supporting_doc_id", "supporting_doc_ids"),
+    ],
+)
+def test_near_miss_of_a_column_name_is_refused(name, meant):
+    value = {"turn_contain_gold": [True, False], "data_sorce": "nq", "supporting_doc_id": ["d"]}
+    bad(
+        [record(**{name: value[name]})],
+        rf"column '{name}' is not in the schema; did you mean '{meant}'\?",
+    )
+
+
+def test_near_miss_in_with_columns_and_new_columns_still_work():
+    batch = TrajectoryBatch.from_records([record()])
+    with pytest.raises(BatchValidationError, match="did you mean 'turn_advantages'"):
+        batch.with_turn_columns({"turn_advantage": np.zeros(2)})
+    with pytest.raises(BatchValidationError, match="did you mean 'data_source'"):
+        batch.with_traj_columns({"data_sorce": ["nq"]})
+    # a new name (a user's signal) is kept, from records, tables and derivations
+    out = TrajectoryBatch.from_records([record(my_score=0.5)]).with_turn_columns(
+        {"my_turn_flag": np.array([1, 0], np.int8)}
+    )
+    assert out.column("my_score").to_pylist() == [0.5]
+    assert out.column("my_turn_flag").to_pylist() == [[1, 0]]
+
+
+def test_a_registered_column_near_a_known_name_is_accepted():
+    from ray_credit.batch import COLUMNS, ColumnSpec, register_columns
+
+    doc = "a test column one edit away from turn_rewards"
+    register_columns({"turn_reward2": ColumnSpec(pa.list_(pa.float32()), "turn", doc)})
+    try:
+        batch = TrajectoryBatch.from_records([record(turn_reward2=[0.5, 1.0])])
+        assert batch.column("turn_reward2").to_pylist() == [[0.5, 1.0]]
+    finally:
+        del COLUMNS["turn_reward2"]
+    bad([record(turn_reward2=[0.5, 1.0])], "did you mean 'turn_rewards'")
+
+
+def test_null_in_a_required_column():
+    bad([record("t0"), record("t1", question=None)], r"row 1 \(traj_id='t1'\): 'question' is null")
+    bad([record(gold_answers=None)], r"'gold_answers' is null")
+
+
+def test_to_torch_metrics_and_select_check_their_arguments():
+    batch = TrajectoryBatch.from_records([with_tokens(record("t0")), with_tokens(record("t1"))])
+    for pad in ("x", 2.7, True, None):
+        with pytest.raises(TypeError, match=r"pad_token_id is a token id, an integer"):
+            batch.to_torch(pad_token_id=pad)
+    with pytest.raises(TypeError, match=r"metric 'a' is 'x' \(str\); a metric is a number"):
+        batch.with_metrics({"a": "x"})
+    with pytest.raises(TypeError, match="metrics are a dict"):
+        batch.with_metrics([("a", 1.0)])
+    with pytest.raises(TypeError, match="metric names are str"):
+        batch.with_metrics({1: 1.0})
+    with pytest.raises(IndexError, match=r"row 5 is out of range for a batch of 2 trajectories"):
+        batch.select([5])
+    with pytest.raises(IndexError, match="row -1 is out of range"):
+        batch.select([-1])
+    with pytest.raises(TypeError, match=r"boolean mask: pass np.flatnonzero\(mask\)"):
+        batch.select(np.array([True, False]))
+    with pytest.raises(TypeError, match="integer row numbers, got float64"):
+        batch.select([0.5])
+    assert batch.select(np.array([1], np.int32)).column("traj_id").to_pylist() == ["t1"]
+    assert batch.select(range(2)).num_trajectories == 2

@@ -155,3 +155,35 @@ def test_bad_config_is_rejected():
         get_estimator("grpo")(batch, singleton_policy="drop")
     with pytest.raises(TypeError, match="unknown parameter"):
         get_estimator("grpo")(batch, alpha=1)
+
+
+@pytest.mark.parametrize(
+    "name, params, error, match",
+    [
+        ("grpo", {"eps": 0.0}, ValueError, "eps must be a finite number > 0"),
+        ("grpo", {"eps": math.inf}, ValueError, "eps must be a finite number > 0"),
+        ("grpo", {"eps": "1e-6"}, TypeError, "eps"),
+        ("grpo", {"std_ddof": 1.0}, TypeError, "std_ddof"),
+        ("igpo", {"var_eps": math.inf}, ValueError, "var_eps must be a finite number"),
+        ("a2tgpo", {"ig_weight": math.inf}, ValueError, "ig_weight must be a finite number"),
+        ("tspo", {"alpha": math.nan}, (TypeError, ValueError), "alpha"),
+    ],
+)
+def test_estimator_configs_refuse_what_would_make_advantages_wrong(name, params, error, match):
+    """eps = 0 divides an all-equal group by 0, an infinite eps zeroes every advantage, an
+    infinite weight makes them inf; a value of the wrong type is named, not coerced."""
+    with pytest.raises(error, match=match):
+        get_estimator(name).make_config(**params)
+
+
+def test_estimator_registry_arguments_are_checked():
+    from ray_credit.estimators import Estimator
+
+    with pytest.raises(TypeError, match="takes an estimator's name"):
+        get_estimator(GRPOConfig)
+    with pytest.raises(TypeError, match="fn is the function"):
+        Estimator(name="mine", fn=None, config_cls=GRPOConfig, requires=())
+    with pytest.raises(TypeError, match="requires is a tuple of column names"):
+        Estimator(name="mine", fn=lambda b, c: b, config_cls=GRPOConfig, requires="turns")
+    with pytest.raises(ValueError, match="non-empty str"):
+        Estimator(name=" ", fn=lambda b, c: b, config_cls=GRPOConfig, requires=())

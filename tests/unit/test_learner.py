@@ -153,7 +153,10 @@ def test_off_policy_corrections(batch):
 
 
 def test_nonfinite_gradient_skips_the_step_and_is_counted(batch):
-    bad = batch.with_turn_columns({"turn_advantages": np.full(batch.num_turns, np.inf, np.float32)})
+    # A batch refuses inf advantages (with_turn_columns validates), but the largest finite
+    # float32 advantage still overflows the gradient's sums to inf.
+    huge = np.full(batch.num_turns, np.finfo(np.float32).max, np.float32)
+    bad = batch.with_turn_columns({"turn_advantages": huge})
     learner = _learner()
     before = _weights(learner)
     metrics = learner.train(bad)
@@ -174,7 +177,7 @@ def test_lr_schedules():
         LearnerConfig(lr_schedule="cosine")
     with pytest.raises(ValueError, match="off_policy must be one of"):
         LearnerConfig(off_policy="ppo")
-    with pytest.raises(ValueError, match="is_cap must be > 1"):
+    with pytest.raises(ValueError, match="is_cap must be a finite number > 1"):
         LearnerConfig(is_cap=0.5)
 
 
@@ -183,6 +186,14 @@ def test_checkpoint_resumes_the_same_trajectory_of_updates(batch, tmp_path):
     learner = _learner(config)
     learner.train(batch)
     learner.save(tmp_path / "ckpt")
+    # the saved policy is a plain Hugging Face folder: transformers loads it as it is
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model").eval()
+    ids = AutoTokenizer.from_pretrained(tmp_path / "ckpt" / "model")("Who founded it?")
+    ids = torch.tensor([ids["input_ids"]])
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, learner.model(ids).logits, atol=1e-5)
     learner.train(batch)
 
     resumed = Learner(str(tmp_path / "ckpt" / "model"), config)

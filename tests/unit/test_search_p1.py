@@ -190,7 +190,8 @@ def test_null_action_is_an_error() -> None:
     ],
 )
 def test_config_validation(params: dict) -> None:
-    with pytest.raises(ValueError):
+    # NaN is refused by check_fields (TypeError, "takes a number, not NaN"), the rest by range
+    with pytest.raises((TypeError, ValueError)):
         SearchP1Config(**params)
 
 

@@ -51,6 +51,34 @@ def test_paired_difference_pairs_by_question_id_and_refuses_mismatches():
         paired_difference(before, [1, 0, 0])
 
 
+@pytest.mark.parametrize(
+    "before, error, match",
+    [
+        ([1, None, 0], TypeError, r"before\[1\] is None"),
+        ([1, "0", 0], TypeError, r"before\[1\] is '0'"),
+        ([1, float("nan"), 0], ValueError, r"before\[1\] is nan"),
+        ({"a": 1, "b": None, "c": 0}, TypeError, r"before\['b'\] is None"),
+        ("101", TypeError, "one score per question"),
+    ],
+)
+def test_a_score_that_is_no_number_is_named_not_turned_into_nan(before, error, match):
+    after = {"a": 1, "b": 1, "c": 0} if isinstance(before, dict) else [1, 1, 0]
+    with pytest.raises(error, match=match):
+        paired_difference(before, after)
+
+
+def test_counts_and_settings_are_checked():
+    with pytest.raises(ValueError, match="whole number"):
+        proportion_interval(2.5, 10)
+    with pytest.raises(TypeError, match="successes must be an integer"):
+        proportion_interval(True, 10)
+    assert proportion_interval(np.int64(2), 10.0) == proportion_interval(2, 10)
+    with pytest.raises(TypeError, match="confidence must be a number"):
+        proportion_interval(2, 10, confidence="95%")
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        paired_difference([1, 0], [1, 1], seed=-1)
+
+
 def test_eval_summary_change_and_plot(tmp_path):
     from ray_credit.pipeline.outputs import plot, smooth
     from ray_credit.pipeline.recipe import _eval_summary, describe_change, eval_change
