@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -28,6 +30,7 @@ __all__ = [
     "InputError",
     "InputFileNotFoundError",
     "check_config",
+    "check_fields",
     "config_to_dict",
     "field_docs",
     "parse_config",
@@ -72,8 +75,70 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def check_fields(config: Any) -> None:
+    """Refuse a field whose value is not of its annotated type, in a config dataclass built
+    directly (YAML and flags are converted and checked on the way in): an int field takes
+    an int (not a bool, not 2.5), a float field a number that is not NaN, a bool field a
+    bool (not ``'no'``, which is truthy), a str field a str, a fixed tuple its length, a
+    section its class. Raises TypeError naming the class, the field and what it takes
+    (ValueError for a value outside a ``Literal``'s choices).
+    Config classes call it first in ``__post_init__``; fields of other types are not
+    checked."""
+    try:
+        hints = _hints(type(config))
+    except (NameError, TypeError):  # annotations naming what only a function's scope knows
+        return
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        wanted = _type_mismatch(value, hints[f.name])
+        if wanted is not None:  # a choice outside a Literal's is a bad value, not a type
+            literal = typing.get_origin(hints[f.name]) is typing.Literal
+            raise (ValueError if literal else TypeError)(
+                f"{type(config).__name__}.{f.name} takes {wanted}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+
+
+def _type_mismatch(value: Any, kind: Any) -> str | None:
+    """What ``kind`` takes, in words, when ``value`` is not one of it; else None."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        wanted = [_type_mismatch(value, a) for a in args if a is not type(None)]
+        if any(w is None for w in wanted):
+            return None
+        return " or ".join([*(w for w in wanted if w), *(["None"] if type(None) in args else [])])
+    if origin is typing.Literal:
+        return None if value in args else f"one of {list(args)}"
+    if kind is bool:
+        return None if isinstance(value, bool) else "true or false (a bool)"
+    if kind is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "a number"
+        return "a number, not NaN" if value != value else None
+    if kind is str:
+        return None if isinstance(value, str) else "a string"
+    if origin in (tuple, list) and args:
+        if not isinstance(value, (tuple, list)):
+            return f"a {origin.__name__} of values"
+        fixed = origin is tuple and args[-1] is not Ellipsis
+        if fixed and len(value) != len(args):
+            return f"{len(args)} values"
+        inner = args if fixed else (args[0],) * len(value)
+        pairs = zip(value, inner, strict=True)
+        bad = next((w for v, a in pairs if (w := _type_mismatch(v, a))), None)
+        return None if bad is None else f"values that are each {bad}"
+    if dataclasses.is_dataclass(kind) and isinstance(kind, type):
+        return None if isinstance(value, kind) else f"a {kind.__name__}"
+    return None
 
 
 def _leaves(cls: type, prefix: str = ""):
@@ -107,6 +172,8 @@ def _convert(value: Any, kind: Any, name: str) -> Any:
                 return _convert(value, arg, name)
             except (TypeError, ValueError) as err:
                 errors.append(str(err))
+        if len(errors) == 1:  # Optional[X]: X's own message
+            raise ValueError(errors[0] + (" (or none)" if type(None) in args else ""))
         raise ValueError(f"{name}: {value!r} is not a {kind} ({'; '.join(errors)})")
     if origin is typing.Literal:
         if value not in args:
@@ -139,11 +206,20 @@ def _convert(value: Any, kind: Any, name: str) -> Any:
     if kind is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError(f"{name} takes an integer, got {value!r}")
-        return int(value)
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} takes an integer, got {value!r}") from None
     if kind is float:
         if isinstance(value, bool):
             raise ValueError(f"{name} takes a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} takes a number, got {value!r}") from None
+        if number != number:
+            raise ValueError(f"{name} takes a number, got {value!r} (NaN)")
+        return number
     if kind is str:
         if not isinstance(value, (str, int, float)):
             raise ValueError(f"{name} takes a string, got {value!r}")
@@ -192,7 +268,25 @@ def _apply_tree(config: Any, tree: Mapping[str, Any], prefix: str) -> Any:
             )
         else:
             changes[key] = _convert(value, _hints(type(config))[key], dotted)
-    return dataclasses.replace(config, **changes)
+    try:
+        return dataclasses.replace(config, **changes)
+    except (TypeError, ValueError) as err:  # the section's own checks (__post_init__)
+        message = _in_section(str(err), type(config).__name__, prefix, names)
+        raise (TypeError if isinstance(err, TypeError) else ValueError)(message) from None
+
+
+def _in_section(message: str, class_name: str, prefix: str, fields: set[str]) -> str:
+    """A section's error message with the section's dotted name in it: its own checks
+    name a field ("temperature must be >= 0") or the class ("GeneratorConfig.top_p
+    takes ..."), and several sections have fields of the same name."""
+    if not prefix or message.startswith(prefix):
+        return message
+    if message.startswith(class_name + "."):
+        return prefix + message[len(class_name) + 1 :]
+    first = message.split(" ", 1)[0].rstrip(":,")
+    if first in fields:
+        return prefix + message
+    return f"{prefix.rstrip('.')}: {message}"
 
 
 def _flatten(mapping: dict, prefix: str = ""):
@@ -223,7 +317,10 @@ def parse_config(
     if file is not None:
         base = _apply_yaml(base, file, first, skip_sections)
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        # not argparse's list of every flag (a hundred lines) above each one-line error
+        usage="%(prog)s [-h] [--config FILE.yaml] [--SECTION.FIELD VALUE ...]",
     )
     parser.add_argument(
         "--config",
@@ -244,7 +341,7 @@ def parse_config(
             # argparse %-formats help text: a literal "%" (as in "30 %") must be doubled
             help=f"{doc} (default: {shown})".replace("%", "%%"),
         )
-    args = vars(parser.parse_args(argv))
+    args = vars(parser.parse_args(_joined_negatives(sys.argv[1:] if argv is None else argv)))
     args.pop("config", None)
     overrides = {**(_read_yaml(file, first, skip_sections) if file is not None else {}), **args}
     try:  # the file's settings and the flags together: rules between fields see both
@@ -257,6 +354,25 @@ def parse_config(
     except ValueError as err:
         parser.error(str(err))
     return config
+
+
+def _joined_negatives(argv: Sequence[str]) -> list[str]:
+    """``--learner.betas -0.1,0.99`` as ``--learner.betas=-0.1,0.99``: argparse takes a
+    value that starts with ``-`` for an option, unless it is a plain negative number."""
+    out: list[str] = []
+    for token in argv:
+        if (
+            out
+            and out[-1].startswith("--")
+            and "=" not in out[-1]
+            and len(token) > 1
+            and token[0] == "-"
+            and (token[1].isdigit() or token[1] == ".")
+        ):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 def check_config(config: Any) -> None:
@@ -288,12 +404,34 @@ def _read_yaml(file: Path, parser: argparse.ArgumentParser, skip: Sequence[str])
     if not file.is_file():
         parser.error(f"--config {file}: no such file")
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        data = yaml.load(file.read_text(encoding="utf-8"), Loader=_unique_keys_loader()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         parser.error(f"--config {file}: not a readable YAML file: {err}")
     if not isinstance(data, dict):
         parser.error(f"--config {file}: the top level must be a mapping of config keys")
     return {key: value for key, value in _flatten(data) if key.split(".")[0] not in skip}
+
+
+@functools.cache
+def _unique_keys_loader() -> type:
+    """yaml's SafeLoader, refusing a key given twice in one mapping (SafeLoader keeps the
+    last and drops the first without a word: a section written twice loses its first)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} is given twice in one mapping; merge the two",
+                        key_node.start_mark,
+                    )  # fmt: skip
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeys
 
 
 def _metavar(kind: Any) -> str:

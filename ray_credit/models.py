@@ -30,6 +30,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ray_credit.config import InputError, InputFileNotFoundError
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -78,9 +80,43 @@ def model_dtype(name: str) -> torch.dtype | str:
     return name if name == "auto" else getattr(torch, name)
 
 
+def _model_name(name_or_path: str | os.PathLike[str], *, tokenizer: bool = False) -> str:
+    """``name_or_path`` as a str, after refusing what cannot name a model: not a str or
+    path, blank, or a local folder without ``config.json`` (``tokenizer``: nor
+    ``tokenizer_config.json``); transformers would otherwise guess at it, e.g. "needs
+    sentencepiece"."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"a model is named by a str or a path (a Hugging Face id, a model folder, or one "
+            f"of {sorted(EMBEDDED_MODELS)}), got {type(name_or_path).__name__} "
+            f"({name_or_path!r})"
+        )
+    name = os.fspath(name_or_path)
+    if not isinstance(name, str):
+        raise TypeError(f"a model path must be a str path, got {name!r}")
+    if not name.strip():
+        raise InputError(
+            f"model name {name!r} is blank; give a Hugging Face id, a model folder, or one of "
+            f"{sorted(EMBEDDED_MODELS)}"
+        )
+    folder = Path(name)
+    marks = ("config.json", "tokenizer_config.json") if tokenizer else ("config.json",)
+    if (
+        name not in EMBEDDED_MODELS
+        and folder.is_dir()
+        and not any((folder / mark).is_file() for mark in marks)
+    ):
+        raise InputFileNotFoundError(
+            f"{name!r} is a folder but not a model folder: it has no config.json; give a "
+            "Hugging Face id, a folder with config.json (as save_pretrained writes), or one "
+            f"of the embedded models {sorted(EMBEDDED_MODELS)}"
+        )
+    return name
+
+
 def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """The tokenizer of :func:`load_model`'s model, without loading the weights."""
-    name = str(name_or_path)
+    name = _model_name(name_or_path, tokenizer=True)
     if name in ("smollm2-135m", "tiny-random"):
         return _finish_tokenizer(_auto_tokenizer(_smollm2_folder(weights=False)))
     return _finish_tokenizer(_auto_tokenizer(name))
@@ -101,9 +137,14 @@ def load_model(
             or ``"auto"`` (the checkpoint's own).
         device: a torch device string.
         seed: the weights' seed for ``"tiny-random"`` (ignored otherwise).
+
+    Raises:
+        TypeError: ``name_or_path`` is not a str or path.
+        InputError: a blank name, or a folder without ``config.json`` (not a model folder).
+        FileNotFoundError: the model cannot be found; the message says how to get it.
     """
+    name = _model_name(name_or_path)
     torch_dtype = model_dtype(dtype)
-    name = str(name_or_path)
     if name == "tiny-random":
         tokenizer = load_tokenizer(name)
         model = _tiny_random(tokenizer, seed=seed)
@@ -153,7 +194,7 @@ def model_folder(name_or_path: str | os.PathLike[str], *, seed: int = 0) -> str:
     """A name an engine that loads from files (vLLM) can open: the converted SmolLM2
     folder for ``"smollm2-135m"``, ``"tiny-random"`` saved once under :func:`cache_dir`
     (per seed), anything else as given (a hub id or a folder)."""
-    name = str(name_or_path)
+    name = _model_name(name_or_path)
     if name == "smollm2-135m":
         return str(_smollm2_folder(weights=True))
     if name != "tiny-random":

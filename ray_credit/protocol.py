@@ -24,6 +24,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ray_credit.config import InputError
+
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
@@ -352,6 +354,22 @@ def _builtin_templates() -> dict[str, Traversable]:
     }
 
 
+def _read_utf8(path: Path) -> str:
+    """A text file's contents; a file that is not UTF-8 raises an error naming the line,
+    the column and the byte, and how to convert it."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise InputError(
+            f"{path}:{line}: not UTF-8 (byte {data[err.start]:#04x} at column {column}); save "
+            f"the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name}` if it is Latin-1"
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # as read_text's universal newlines
+
+
 def load_prompt_template(name_or_path: str | os.PathLike[str]) -> PromptTemplate:
     """Load a built-in template by name (a file stem in ``ray_credit/prompts/``) or a file.
 
@@ -360,7 +378,8 @@ def load_prompt_template(name_or_path: str | os.PathLike[str]) -> PromptTemplate
 
     Raises:
         ValueError: neither a built-in name nor an existing file; or the template is
-            invalid (see :class:`PromptTemplate`).
+            invalid (see :class:`PromptTemplate`); or the file is not UTF-8 (an
+            :class:`~ray_credit.config.InputError` naming the line and the byte).
         FileNotFoundError: the argument looks like a path (has a folder or a suffix) but
             no such file exists.
     """
@@ -374,7 +393,7 @@ def load_prompt_template(name_or_path: str | os.PathLike[str]) -> PromptTemplate
         return PromptTemplate(name=name_or_path, text=text)
     path = Path(name_or_path)
     if path.is_file():
-        return PromptTemplate(name=path.stem, text=path.read_text(encoding="utf-8"))
+        return PromptTemplate(name=path.stem, text=_read_utf8(path))
     if isinstance(name_or_path, os.PathLike) or path.suffix or len(path.parts) > 1:
         raise FileNotFoundError(f"prompt template file {str(path)!r} does not exist")
     raise ValueError(

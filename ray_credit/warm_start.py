@@ -38,7 +38,7 @@ import numpy as np
 
 from ray_credit.actors.sampling import SampledTurn, SamplingParams
 from ray_credit.batch import TrajectoryBatch
-from ray_credit.config import InputError
+from ray_credit.config import InputError, check_fields
 
 __all__ = ["ScriptedSampler", "WarmStartConfig", "demonstrate", "expert_turns", "warm_start"]
 
@@ -88,6 +88,7 @@ class WarmStartConfig:
     one made with other settings is refused."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         for name in ("epochs", "batch_size", "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"warm_start.{name} must be >= 1, got {getattr(self, name)}")

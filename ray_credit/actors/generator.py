@@ -31,6 +31,7 @@ through the object store, so the caller holds an ``ObjectRef[TrajectoryBatch]``.
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 import time
 import uuid
@@ -40,6 +41,7 @@ from typing import Any
 
 from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLLMConfig
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.config import check_fields
 from ray_credit.models import DTYPES
 from ray_credit.protocol import (
     INVALID_ACTION_FEEDBACK,
@@ -148,13 +150,14 @@ class GeneratorConfig:
     """vllm backend: engine settings."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.kv_reuse_gb < 0:
+        if not 0 <= self.kv_reuse_gb < math.inf:
             raise ValueError(
                 f"kv_reuse_gb must be >= 0 (0 turns reuse off), got {self.kv_reuse_gb}"
             )

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.config import check_fields
 from ray_credit.losses import KL_ESTIMATORS, PolicyLossConfig
 from ray_credit.models import load_model, model_dtype
 
@@ -139,6 +140,7 @@ class LearnerConfig:
     float32 generator's by bf16 rounding, which shows in ``learner/ratio_*``."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         model_dtype(self.dtype)  # raises ValueError naming the dtypes it knows
         check_autocast(self.autocast)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -161,16 +163,22 @@ class LearnerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("kl_coef and entropy_coef must be >= 0")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(
+                f"max_grad_norm must be a positive finite number, or None for no clipping, "
+                f"got {self.max_grad_norm}"
+            )
+        for name in ("kl_coef", "entropy_coef", "weight_decay"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas must each lie in [0, 1) (AdamW's), got {self.betas}")
         if self.kl_kind.removesuffix("+") not in (*KL_ESTIMATORS, "kl", "mse", "low_var_kl"):
             raise ValueError(f"kl_kind={self.kl_kind!r} is not a KL estimator; use {KL_ESTIMATORS}")
         if self.off_policy not in OFF_POLICY:
             raise ValueError(f"off_policy must be one of {OFF_POLICY}, got {self.off_policy!r}")
-        if self.is_cap <= 1.0:
-            raise ValueError(f"is_cap must be > 1 (e.g. 2.0), got {self.is_cap}")
+        if not 1.0 < self.is_cap < math.inf:
+            raise ValueError(f"is_cap must be a finite number > 1 (e.g. 2.0), got {self.is_cap}")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based)."""

@@ -19,6 +19,7 @@ With ``"return_scores": false`` each hit is the document dict alone.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ from ray_credit.actors.retriever import (
     Retriever,
     _check_search_args,
 )
+from ray_credit.config import check_fields
 
 __all__ = [
     "LimitExceeded",
@@ -75,6 +77,7 @@ class RequestLimits:
     """Bytes of one request body."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         for name in ("max_queries", "max_query_chars", "max_topk", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -318,7 +321,10 @@ class RemoteRetriever:
     ) -> None:
         import httpx
 
-        if retries < 0 or timeout_s <= 0 or backoff_s < 0:
+        if not (
+            isinstance(retries, int) and retries >= 0 and 0 < timeout_s < math.inf
+            and 0 <= backoff_s < math.inf
+        ):  # fmt: skip
             raise ValueError(
                 f"need retries >= 0, timeout_s > 0, backoff_s >= 0; got {retries}, "
                 f"{timeout_s}, {backoff_s}"

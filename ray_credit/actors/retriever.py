@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from ray_credit.config import InputError
+from ray_credit.config import InputError, check_fields
 
 if TYPE_CHECKING:  # pragma: no cover
     from ray.actor import ActorHandle
@@ -224,9 +224,19 @@ class EncoderConfig:
     actor without GPUs torch sees none, so 'auto' follows the actor's num_gpus."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare values
+        if not self.name.strip():
+            raise ValueError("encoder name is empty; give 'minilm', a preset, an HF id or a folder")
         if self.max_length < 1 or self.batch_size < 1:
             raise ValueError(
                 f"max_length and batch_size must be >= 1, got {self.max_length}, {self.batch_size}"
+            )
+        device = self.device
+        if device not in ("auto", "cpu", "cuda") and not (
+            device.startswith("cuda:") and device[5:].isdigit()
+        ):
+            raise ValueError(
+                f"encoder device {device!r} is not one of 'auto', 'cpu', 'cuda' or 'cuda:N'"
             )
         close = _close_presets(self.name)
         if self.name not in ENCODER_PRESETS and close and not Path(self.name).exists():
@@ -382,8 +392,20 @@ class IndexConfig:
     runs on CPU only); true: required; false: CPU."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare values
         if self.kind not in _INDEX_KINDS:
             raise ValueError(f"unknown index kind {self.kind!r}; choose one of {_INDEX_KINDS}")
+        for name, least in (("hnsw_m", 2), ("ef_construction", 1), ("ef_search", 1),
+                            ("nlist", 1), ("pq_m", 1), ("nprobe", 1)):  # fmt: skip
+            if getattr(self, name) < least:
+                raise ValueError(f"index {name} must be >= {least}, got {getattr(self, name)}")
+        if not 1 <= self.pq_nbits <= 16:
+            raise ValueError(f"index pq_nbits must lie in [1, 16] (faiss's), got {self.pq_nbits}")
+        if self.kind == "ivfpq" and self.nprobe > self.nlist:
+            raise ValueError(
+                f"index nprobe={self.nprobe} visits more clusters than nlist={self.nlist} has; "
+                "give nprobe <= nlist"
+            )
         if self.kind == "hnsw" and self.use_gpu:
             raise ValueError("faiss has no GPU HNSW index; use kind='flat' or 'ivfpq' on GPU")
 

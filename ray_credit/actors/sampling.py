@@ -21,12 +21,14 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ray_credit.config import check_fields
 from ray_credit.models import load_weights_checked
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,10 +60,13 @@ class SamplingParams:
     """A turn ends right after the first token that completes one of these strings."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(
+                f"temperature must be finite and >= 0 (0: greedy), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -569,6 +574,7 @@ class VLLMConfig:
     """Sequences one engine step may hold (None: vLLM's default)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types first: the checks below compare numbers
         if self.kv_cache_gb < 1:
             raise ValueError(f"vllm.kv_cache_gb must be >= 1 (whole GB), got {self.kv_cache_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:

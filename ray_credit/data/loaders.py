@@ -125,6 +125,10 @@ def _corpus_doc(obj: Mapping[str, Any], where: str) -> dict:
         raise DataFormatError(f"{where}: missing 'id'; every document needs a unique id")
     if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
         raise DataFormatError(f"{where}: 'id' must be a str or int, got {doc_id!r}")
+    if isinstance(doc_id, str) and not doc_id.strip():
+        raise DataFormatError(
+            f"{where}: blank 'id' {doc_id!r}; every document needs a unique, non-blank id"
+        )
     if "contents" in obj:
         contents = obj["contents"]
         if not isinstance(contents, str):
@@ -200,12 +204,43 @@ def load_corpus(path: str | os.PathLike) -> list[dict]:
 
 
 # -------------------------------------------------------------------------- questions
-def _golds_of(row: Mapping[str, Any]) -> Any:
-    """``golden_answers``, else Search-R1's ``reward_model.ground_truth.target``."""
+def _golds_of(row: Mapping[str, Any], where: str) -> tuple[Any, str]:
+    """``golden_answers``, else Search-R1's ``reward_model.ground_truth.target``; and the
+    key it came from."""
     if row.get("golden_answers") is not None:
-        return row["golden_answers"]
-    truth = (row.get("reward_model") or {}).get("ground_truth")
-    return truth.get("target") if isinstance(truth, Mapping) else truth
+        return row["golden_answers"], "'golden_answers'"
+    reward_model = row.get("reward_model")
+    if reward_model is None:
+        return None, ""
+    if not isinstance(reward_model, Mapping):
+        raise DataFormatError(
+            f"{where}: 'reward_model' must be an object like {{'ground_truth': {{'target': "
+            f"[...]}}}}, got {_kind(reward_model)}"
+        )
+    truth = reward_model.get("ground_truth")
+    if isinstance(truth, Mapping):
+        return truth.get("target"), "'reward_model.ground_truth.target'"
+    return truth, "'reward_model.ground_truth'"
+
+
+def _kind(value: Any) -> str:
+    """A value and its type for an error message: ``5 (int)``."""
+    text = repr(value)
+    return f"{text if len(text) <= 80 else text[:77] + '...'} ({type(value).__name__})"
+
+
+def _str_list(row: Mapping[str, Any], key: str, what: str, where: str) -> list[str] | None:
+    """``row[key]`` as a list of non-blank str (None when absent)."""
+    value = row.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, str) and v.strip() for v in value
+    ):
+        raise DataFormatError(
+            f"{where}: {key!r} must be a list of str ({what}, none blank), got {_kind(value)}"
+        )
+    return list(value)
 
 
 def _stable_id(index: int, question: str) -> str:
@@ -216,44 +251,77 @@ def _stable_id(index: int, question: str) -> str:
 def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source: str) -> dict:
     """One validated question record with exactly the keys :data:`QA_KEYS`."""
     question = row.get("question")
-    if not isinstance(question, str) or not question.strip():
-        problem = "missing 'question'" if question is None else f"empty question {question!r}"
-        raise DataFormatError(f"{where}: {problem}; every row needs a non-blank question")
-    golds = _golds_of(row)
+    if question is None:
+        raise DataFormatError(f"{where}: missing 'question'; every row needs a non-blank question")
+    if not isinstance(question, str):
+        raise DataFormatError(
+            f"{where}: 'question' must be a str (the question text), got {_kind(question)}"
+        )
+    if not question.strip():
+        raise DataFormatError(
+            f"{where}: empty question {question!r}; every row needs a non-blank question"
+        )
+    golds, golds_key = _golds_of(row, where)
     if golds is None:
         raise DataFormatError(
             f"{where}: no gold answers: expected 'golden_answers' (a list of str) or "
             "'reward_model': {'ground_truth': {'target': [...]}}"
         )
+    if not isinstance(golds, (str, list, tuple)):
+        raise DataFormatError(
+            f"{where}: {golds_key} must be a list of str (the accepted answers), got {_kind(golds)}"
+        )
     try:
         golds = check_gold_answers(golds, where=where)
     except (TypeError, ValueError) as err:
         raise DataFormatError(str(err)) from None
-    doc_ids = row.get("supporting_doc_ids")
-    if doc_ids is not None and (
-        isinstance(doc_ids, str) or not all(isinstance(d, str) for d in doc_ids)
-    ):
-        raise DataFormatError(
-            f"{where}: 'supporting_doc_ids' must be a list of str, got {doc_ids!r}"
-        )
-    plan = row.get("reference_plan")
-    if plan is not None and (
-        isinstance(plan, str) or not all(isinstance(step, str) and step.strip() for step in plan)
-    ):
-        raise DataFormatError(
-            f"{where}: 'reference_plan' must be a list of non-empty str (Search-P1's search "
-            f"steps), got {plan!r}"
-        )
+    doc_ids = _str_list(row, "supporting_doc_ids", "corpus document ids", where)
+    plan = _str_list(row, "reference_plan", "Search-P1's search steps", where)
     row_id = row.get("id")
+    if row_id is not None and (
+        isinstance(row_id, bool)
+        or not isinstance(row_id, (str, int))
+        or (isinstance(row_id, str) and not row_id.strip())
+    ):
+        raise DataFormatError(
+            f"{where}: 'id' must be a non-blank str or an int, got {_kind(row_id)}; give "
+            "each question a unique id, or leave 'id' out to get row-index ids"
+        )
+    source = row.get("data_source")
+    if source is not None and (not isinstance(source, str) or not source.strip()):
+        raise DataFormatError(
+            f"{where}: 'data_source' must be a non-blank str (the dataset name, e.g. 'nq'), "
+            f"got {_kind(source)}; leave it out to use the file name {default_source!r}"
+        )
+    hops = row.get("hops")
+    if hops is not None and (isinstance(hops, bool) or not isinstance(hops, int) or hops < 1):
+        raise DataFormatError(
+            f"{where}: 'hops' must be a positive int (how many documents the answer needs), "
+            f"got {_kind(hops)}"
+        )
     return {
         "id": _stable_id(index, question) if row_id is None else str(row_id),
         "question": question,
         "golden_answers": golds,
-        "data_source": row.get("data_source") or default_source,
-        "supporting_doc_ids": None if doc_ids is None else list(doc_ids),
-        "hops": row.get("hops"),
-        "reference_plan": None if plan is None else list(plan),
+        "data_source": default_source if source is None else source,
+        "supporting_doc_ids": doc_ids,
+        "hops": hops,
+        "reference_plan": plan,
     }
+
+
+def _check_unique_ids(
+    records: Sequence[dict], wheres: Sequence[str], labels: Sequence[str], first: dict[str, str]
+) -> None:
+    """Raise on an id seen before: ``first`` maps each id to the label (``"line 2"``,
+    ``"row 0"``) where it first came, and is updated."""
+    for record, where, label in zip(records, wheres, labels, strict=True):
+        seen = first.setdefault(record["id"], label)
+        if seen != label:
+            raise DataFormatError(
+                f"{where}: duplicate id {record['id']!r} (first at {seen}); question ids "
+                "must be unique"
+            )
 
 
 def _qa_columns(names: Sequence[str], path: Path) -> list[str]:
@@ -281,30 +349,56 @@ def load_qa(path: str | os.PathLike) -> list[dict]:
     ``supporting_doc_ids`` / ``hops`` / ``reference_plan`` (Search-P1's) are ``None``.
 
     Raises:
-        DataFormatError: no question column, an empty question, no golds, golds empty or
-            normalizing to ``""`` (see :func:`ray_credit.qa.check_gold_answers`), invalid
-            JSON; the message names the file and the row (parquet, from 0) or line (jsonl).
+        DataFormatError: no question column, a missing, non-str or blank question, no
+            golds, golds not a str or list of str, empty or normalizing to ``""`` (see
+            :func:`ray_credit.qa.check_gold_answers`), a field of the wrong type (``id``: a
+            non-blank str or an int; ``data_source``: a non-blank str;
+            ``supporting_doc_ids`` / ``reference_plan``: lists of non-empty str; ``hops``:
+            a positive int), a duplicate id, invalid JSON, a ``.parquet`` file that is not
+            Parquet, or no question at all; the message names the file and the row
+            (parquet, from 0) or line (jsonl).
     """
     path = _existing(path, "question set")
     source = path.name.split(".")[0]
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        columns = _qa_columns(pq.read_schema(path).names, path)
-        rows = pq.read_table(path, columns=columns).to_pylist()
-        return [
-            _qa_record(row, index=i, where=f"{path}, row {i}", default_source=source)
+        try:
+            columns = _qa_columns(pq.read_schema(path).names, path)
+            rows = pq.read_table(path, columns=columns).to_pylist()
+        except (pa.ArrowException, OSError) as err:
+            raise DataFormatError(
+                f"{path}: not a readable Parquet file ({err}); pass a Parquet file (e.g. "
+                "written by pandas.DataFrame.to_parquet) or a question set named .jsonl"
+            ) from None
+        labels = [f"row {i}" for i in range(len(rows))]
+        wheres = [f"{path}, {label}" for label in labels]
+        records = [
+            _qa_record(row, index=i, where=wheres[i], default_source=source)
             for i, row in enumerate(rows)
         ]
-    if _is_jsonl(path):
-        return [
-            _qa_record(obj, index=i, where=f"{path}:{number}", default_source=source)
-            for i, (number, obj) in enumerate(_json_lines(path))
+    elif _is_jsonl(path):
+        lines = list(_json_lines(path))
+        labels = [f"line {number}" for number, _ in lines]
+        wheres = [f"{path}:{number}" for number, _ in lines]
+        records = [
+            _qa_record(obj, index=i, where=wheres[i], default_source=source)
+            for i, (_, obj) in enumerate(lines)
         ]
-    raise DataFormatError(
-        f"{path}: unsupported question file type {path.suffix!r}; use .parquet or .jsonl "
-        "(.jsonl.gz)"
-    )
+    else:
+        raise DataFormatError(
+            f"{path}: unsupported question file type {path.suffix!r}; use .parquet or .jsonl "
+            "(.jsonl.gz)"
+        )
+    if not records:
+        empty = "0 rows" if path.suffix == ".parquet" else "empty or only blank lines"
+        raise DataFormatError(
+            f"{path}: no questions in the file ({empty}); a question set needs at least one "
+            "row with 'question' and 'golden_answers'"
+        )
+    _check_unique_ids(records, wheres, labels, {})
+    return records
 
 
 # ----------------------------------------------------------------------------- stream
@@ -352,18 +446,22 @@ def prompt_stream(
             _qa_record(row, index=i, where=f"record {i}", default_source="records")
             for i, row in enumerate(path_or_records)
         ]
+        labels = [f"record {i}" for i in range(len(records))]
+        _check_unique_ids(records, labels, labels, {})
         dataset, source, where = ray.data.from_items(records), "records", "record"
     # A per-dataset copy of the context: file order without touching the global setting.
     dataset.context.execution_options.preserve_order = True
     if shuffle_seed is not None:
         dataset = dataset.random_shuffle(seed=shuffle_seed)
-    index = 0
+    index, first = 0, {}
     for table in dataset.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
         rows = table.to_pylist()
-        yield [
-            _qa_record(
-                row, index=index + i, where=f"{where}, row {index + i}", default_source=source
-            )
+        labels = [f"row {index + i}" for i in range(len(rows))]
+        wheres = [f"{where}, {label}" for label in labels]
+        batch = [
+            _qa_record(row, index=index + i, where=wheres[i], default_source=source)
             for i, row in enumerate(rows)
         ]
+        _check_unique_ids(batch, wheres, labels, first)
+        yield batch
         index += len(rows)

@@ -23,13 +23,16 @@ seed gives the same world, byte for byte.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from ray_credit.config import check_fields
 
 __all__ = ["World", "WorldConfig", "make_world"]
 
@@ -67,6 +70,14 @@ class WorldConfig:
     several people, a city, an invention and an organization but states none of their facts."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(
+                    f"WorldConfig.{f.name} must be a finite number, got {value} "
+                    f"(default {f.default})"
+                )
         if self.num_entities < 20:
             raise ValueError(f"num_entities must be >= 20, got {self.num_entities}")
         if self.num_questions < 0:
@@ -772,6 +783,11 @@ def make_world(config: WorldConfig | None = None, **overrides: Any) -> World:
     """
     from dataclasses import fields, replace
 
+    if config is not None and not isinstance(config, WorldConfig):
+        raise TypeError(
+            f"make_world takes a WorldConfig (or None for the default), got "
+            f"{type(config).__name__}; pass fields as keywords: make_world(seed=3)"
+        )
     config = config or WorldConfig()
     unknown = set(overrides) - {f.name for f in fields(WorldConfig)}
     if unknown:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -145,3 +146,133 @@ def test_rules_between_fields_see_every_setting_together(tmp_path):
     )  # fmt: skip
     assert (cfg.pipeline.chunk_groups, cfg.pipeline.groups_per_step) == (8, 16)
     assert cfg.learner.total_steps == 100 and cfg.generator.max_context_tokens == 8192
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--inner.total", "2.5"],
+            r"--inner.total: inner.total takes an integer, got '2.5' \(or none\)",
+        ),
+        (["--inner.total", "ten"], r"--inner.total: inner.total takes an integer, got 'ten'"),
+        (["--inner.lr", "abc"], r"--inner.lr: inner.lr takes a number, got 'abc'"),
+        (["--inner.lr", "nan"], r"inner.lr takes a number, got 'nan' \(NaN\)"),
+        (["--inner.lr", "-1"], r"--inner.lr: inner.lr must be > 0, got -1.0"),  # the section named
+    ],
+)
+def test_value_errors_name_the_flag_and_the_section(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(Outer, argv)
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    # one usage line, not a list of every flag above the error
+    assert err.startswith("usage: ") and len(err.splitlines()) == 2, err
+
+
+def test_a_negative_first_value_of_a_list_flag_is_a_value():
+    cfg = parse_config(Outer, ["--inner.betas", "-0.1,0.2", "--inner.lr", "0.5"])
+    assert cfg.inner.betas == (-0.1, 0.2) and cfg.inner.lr == 0.5
+
+
+def test_a_yaml_key_given_twice_is_refused(tmp_path, capsys):
+    file = tmp_path / "c.yaml"
+    file.write_text("inner:\n  lr: 0.5\nname: x\ninner:\n  total: 3\n")  # inner's lr lost
+    with pytest.raises(SystemExit):
+        parse_config(Outer, ["--config", str(file)])
+    assert "'inner' is given twice in one mapping" in capsys.readouterr().err
+
+
+def test_config_classes_refuse_values_of_the_wrong_type():
+    from ray_credit.actors.generator import GeneratorConfig
+    from ray_credit.actors.learner import LearnerConfig
+    from ray_credit.actors.retrieval_server import RequestLimits
+    from ray_credit.actors.retriever import EncoderConfig
+    from ray_credit.actors.sampling import VLLMConfig
+    from ray_credit.config import check_fields
+    from ray_credit.pipeline import PipelineConfig
+    from ray_credit.warm_start import WarmStartConfig
+
+    nan = float("nan")
+    cases = [
+        (PipelineConfig, {"steps": 2.5}, "PipelineConfig.steps takes an integer, got 2.5"),
+        (PipelineConfig, {"timeout_s": nan}, "timeout_s takes a number, not NaN"),
+        (LearnerConfig, {"shuffle": "no"}, r"shuffle takes true or false \(a bool\), got 'no'"),
+        (LearnerConfig, {"lr": "1e-5"}, "LearnerConfig.lr takes a number, got '1e-5' \\(str\\)"),
+        (LearnerConfig, {"betas": 0.9}, "betas takes a tuple of values"),
+        (LearnerConfig, {"betas": (0.9,)}, "betas takes 2 values"),
+        (LearnerConfig, {"loss": {}}, "LearnerConfig.loss takes a PolicyLossConfig"),
+        (GeneratorConfig, {"group_size": "5"}, "GeneratorConfig.group_size takes an integer"),
+        (GeneratorConfig, {"vllm": {}}, "GeneratorConfig.vllm takes a VLLMConfig"),
+        (VLLMConfig, {"enforce_eager": "no"}, "enforce_eager takes true or false"),
+        (WarmStartConfig, {"epochs": 1.5}, "WarmStartConfig.epochs takes an integer"),
+        (RequestLimits, {"max_queries": "10"}, "RequestLimits.max_queries takes an integer"),
+        (EncoderConfig, {"batch_size": "64"}, "EncoderConfig.batch_size takes an integer"),
+    ]
+    for cls, kwargs, message in cases:
+        with pytest.raises(TypeError, match=message):
+            cls(**kwargs)
+
+    @dataclass(frozen=True)
+    class Part:
+        x: int = 1
+
+    @dataclass(frozen=True)
+    class Local:  # an annotation only this function's scope resolves: not checked
+        part: Part = field(default_factory=Part)
+
+        def __post_init__(self):
+            check_fields(self)
+
+    assert Local(part="x").part == "x"
+
+
+def test_config_classes_refuse_values_out_of_range():
+    from ray_credit.actors.generator import GeneratorConfig
+    from ray_credit.actors.learner import LearnerConfig
+    from ray_credit.actors.retriever import EncoderConfig
+    from ray_credit.losses import PolicyLossConfig
+    from ray_credit.pipeline import PipelineConfig
+    from ray_credit.pipeline.recipe import (
+        DataConfig,
+        EvalConfig,
+        JudgeConfig,
+        ResourcesConfig,
+        RetrieverConfig,
+        RunConfig,
+    )
+
+    inf = float("inf")
+    cases = [
+        (LearnerConfig, {"betas": (1.5, 0.999)}, r"betas must each lie in \[0, 1\)"),
+        (LearnerConfig, {"weight_decay": -0.5}, "weight_decay must be a finite number >= 0"),
+        (LearnerConfig, {"entropy_coef": inf}, "entropy_coef must be a finite number >= 0"),
+        (LearnerConfig, {"max_grad_norm": inf}, "max_grad_norm must be a positive finite"),
+        (LearnerConfig, {"is_cap": inf}, "is_cap must be a finite number > 1"),
+        (PolicyLossConfig, {"clip_high": inf}, "clip_high=inf must be finite"),
+        (GeneratorConfig, {"temperature": inf}, "temperature must be finite and >= 0"),
+        (GeneratorConfig, {"kv_reuse_gb": inf}, "kv_reuse_gb must be >= 0"),
+        (PipelineConfig, {"timeout_s": inf}, "timeout_s must be a finite number of seconds"),
+        (PipelineConfig, {"stage_cpus": inf}, "stage_cpus must be finite"),
+        (ResourcesConfig, {"num_generators": 0}, "resources.num_generators must be >= 1"),
+        (ResourcesConfig, {"learner_workers": 0}, "resources.learner_workers must be >= 1"),
+        (ResourcesConfig, {"generator_cpus": -1.0}, "resources.generator_cpus must be a finite"),
+        (ResourcesConfig, {"generator_max_restarts": -5}, "generator_max_restarts must be >= 0"),
+        (ResourcesConfig, {"local_cpus": 0}, "resources.local_cpus must be >= 1"),
+        (JudgeConfig, {"timeout_s": 0.0}, "judge.timeout_s must be a finite number"),
+        (JudgeConfig, {"batch_size": 0}, "judge.batch_size must be >= 1"),
+        (JudgeConfig, {"max_retries": -1}, "judge.max_retries must be >= 0"),
+        (JudgeConfig, {"base_url": "localhost:8000"}, "judge.base_url='localhost:8000' must be an"),
+        (RetrieverConfig, {"timeout_s": -5.0}, "retriever.timeout_s must be a finite number"),
+        (RetrieverConfig, {"url": "localhost:8000"}, "must be an http:// or https:// URL"),
+        (EvalConfig, {"max_new_tokens": 0}, "eval.max_new_tokens must be >= 1"),
+        (DataConfig, {"corpus": "c.jsonl"}, "data.corpus='c.jsonl' is set but data.questions"),
+        (RunConfig, {"name": ""}, "name='' must be a plain folder name"),
+        (RunConfig, {"name": "../../etc"}, "must be a plain folder name"),
+        (EncoderConfig, {"device": "gpu"}, "encoder device 'gpu' is not one of"),
+        (EncoderConfig, {"name": " "}, "encoder name is empty"),
+    ]
+    for cls, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cls(**kwargs)
+    assert ResourcesConfig(generator_max_restarts=-1).generator_max_restarts == -1  # Ray's "always"

@@ -77,6 +77,8 @@ def test_iter_corpus_streams_in_batches(tmp_path):
         ({"id": "x", "title": "", "text": ""}, r"c\.jsonl:3 \(id 'x'\): empty contents"),
         ({"id": "x", "contents": ["T"]}, r"c\.jsonl:3: 'contents' must be a str, got list"),
         ({"id": "1", "contents": "T\ndup"}, r"c\.jsonl:3: duplicate id '1' \(first on line 2\)"),
+        ({"id": "", "contents": "T\ntext"}, r"c\.jsonl:3: blank 'id' ''; every document"),
+        ({"id": "  ", "contents": "T\ntext"}, r"c\.jsonl:3: blank 'id' '  '; every document"),
     ],
 )
 def test_corpus_errors_name_file_line_and_problem(tmp_path, bad_line, message):
@@ -240,3 +242,80 @@ def test_qa_file_errors(tmp_path):
         load_qa(tmp_path / "bad.jsonl")
     with pytest.raises(FileNotFoundError, match="question set file"):
         load_qa(tmp_path / "nope.parquet")
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"question": 5}, r"'question' must be a str \(the question text\), got 5 \(int\)"),
+        ({"question": ["who?"]}, r"'question' must be a str .*got \['who\?'\] \(list\)"),
+        ({"supporting_doc_ids": 5}, r"'supporting_doc_ids' must be a list of str .*got 5 \(int\)"),
+        ({"supporting_doc_ids": {"d1": 1}}, r"'supporting_doc_ids' must be a list of str .*dict"),
+        ({"supporting_doc_ids": [""]}, r"'supporting_doc_ids' must be a list of str .*none blank"),
+        ({"reference_plan": 5}, r"'reference_plan' must be a list of str .*got 5 \(int\)"),
+        ({"golden_answers": {"Bob": 1}}, r"'golden_answers' must be a list of str .*\(dict\)"),
+        (
+            {"golden_answers": None, "reward_model": [1]},
+            r"'reward_model' must be an object like .*got \[1\] \(list\)",
+        ),
+        (
+            {"golden_answers": None, "reward_model": {"ground_truth": {"target": 5}}},
+            r"'reward_model\.ground_truth\.target' must be a list of str .*got 5 \(int\)",
+        ),
+        ({"id": ""}, r"'id' must be a non-blank str or an int, got '' \(str\)"),
+        ({"id": True}, r"'id' must be a non-blank str or an int, got True \(bool\)"),
+        ({"id": 1.5}, r"'id' must be a non-blank str or an int, got 1\.5 \(float\)"),
+        ({"data_source": 5}, r"'data_source' must be a non-blank str .*got 5 \(int\)"),
+        ({"data_source": " "}, r"'data_source' must be a non-blank str .*file name 'set'"),
+        ({"hops": "two"}, r"'hops' must be a positive int .*got 'two' \(str\)"),
+        ({"hops": 0}, r"'hops' must be a positive int .*got 0 \(int\)"),
+        ({"hops": True}, r"'hops' must be a positive int .*got True \(bool\)"),
+    ],
+)
+def test_qa_fields_of_the_wrong_type_name_file_line_and_field(tmp_path, row, message):
+    """Not a bare TypeError / AttributeError, and nothing taken silently (a dict's keys as
+    golds, ``True`` as the id ``'True'``, an int data_source)."""
+    good = {"question": "fine?", "golden_answers": ["Bob"]}
+    path = _jsonl(tmp_path / "set.jsonl", [good, {**good, **row}])
+    with pytest.raises(DataFormatError, match=r"set\.jsonl:2: " + message):
+        load_qa(path)
+
+
+def test_qa_duplicate_ids_name_both_rows(tmp_path):
+    rows = [{"id": i, "question": f"q{i}?", "golden_answers": ["Oslo"]} for i in ("a", "b", "a")]
+    with pytest.raises(
+        DataFormatError, match=r"set\.jsonl:3: duplicate id 'a' \(first at line 1\); question ids"
+    ):
+        load_qa(_jsonl(tmp_path / "set.jsonl", rows))
+    with pytest.raises(
+        DataFormatError, match=r"set\.parquet, row 2: duplicate id 'a' \(first at row 0\)"
+    ):
+        load_qa(_parquet(tmp_path / "set.parquet", rows))
+    rows = [{"id": 1, "question": "q?", "golden_answers": ["Oslo"]}, {**rows[0], "id": "1"}]
+    with pytest.raises(DataFormatError, match=r"set\.jsonl:2: duplicate id '1'"):
+        load_qa(_jsonl(tmp_path / "set.jsonl", rows))
+
+
+def test_a_question_set_without_questions_says_so(tmp_path):
+    """Not ``[]``, which a pipeline would blame on its eval_questions setting."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n\n")
+    for name in ("empty.jsonl", "blank.jsonl"):
+        with pytest.raises(DataFormatError, match=name + r": no questions in the file \(empty"):
+            load_qa(tmp_path / name)
+    schema = pa.schema([("question", pa.string()), ("golden_answers", pa.list_(pa.string()))])
+    pq.write_table(schema.empty_table(), tmp_path / "none.parquet")
+    with pytest.raises(
+        DataFormatError, match=r"none\.parquet: no questions in the file \(0 rows\)"
+    ):
+        load_qa(tmp_path / "none.parquet")
+
+
+def test_a_parquet_name_on_other_data_names_the_file(tmp_path):
+    (tmp_path / "x.parquet").write_text('{"question": "q?", "golden_answers": ["a"]}\n')
+    (tmp_path / "zero.parquet").write_bytes(b"")
+    for name in ("x.parquet", "zero.parquet"):
+        with pytest.raises(
+            DataFormatError, match=name + r": not a readable Parquet file \(.*\.jsonl"
+        ):
+            load_qa(tmp_path / name)

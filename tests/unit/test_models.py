@@ -95,3 +95,34 @@ def test_package_import_stays_light_and_services_resolve_lazily():
         "    raise SystemExit('unknown name resolved')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_folder_without_config_json_is_not_a_model_folder(tmp_path):
+    """Not transformers' guess ("needs sentencepiece"): the folder and what to give instead."""
+    from ray_credit.config import InputError
+
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    for load in (load_model, load_tokenizer, models.model_folder):
+        with pytest.raises(
+            InputError,
+            match=r"is a folder but not a model folder: it has no "
+            r"config\.json; give a Hugging Face id, a folder with config\.json",
+        ):
+            load(str(tmp_path))
+        with pytest.raises(FileNotFoundError, match="no config.json"):
+            load(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [None, 5, b"tiny-random"])
+def test_a_model_name_that_is_not_a_str_is_refused(bad):
+    """Not a hub lookup for 'None'."""
+    for load in (load_model, load_tokenizer, models.model_folder):
+        with pytest.raises(TypeError, match=r"a model is named by a str or a path .*got "):
+            load(bad)
+
+
+def test_a_blank_model_name_is_refused():
+    from ray_credit.config import InputError
+
+    with pytest.raises(InputError, match="model name ' ' is blank; give a Hugging Face id"):
+        load_model(" ")

@@ -351,3 +351,19 @@ def test_missing_template_file(tmp_path):
         load_prompt_template(tmp_path / "missing.txt")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_prompt_template("prompts/missing.txt")
+
+
+def test_template_file_that_is_not_utf8_names_line_and_byte(tmp_path):
+    """Not a bare UnicodeDecodeError: the file, line, column, byte and how to convert it."""
+    from ray_credit.config import InputError
+
+    path = tmp_path / "latin.txt"
+    path.write_bytes("Answer this.\nCaf\u00e9 question: {question}\n".encode("latin-1"))
+    with pytest.raises(
+        InputError,
+        match=r"latin\.txt:2: not UTF-8 \(byte 0xe9 at column 4\); save the file "
+        r"as UTF-8, e.g. `iconv -f latin1 -t utf-8 latin\.txt`",
+    ):
+        load_prompt_template(path)
+    path.write_bytes(b"Line one\r\nQ: {question}\r\n")  # newlines as read_text gives them
+    assert load_prompt_template(path).text == "Line one\nQ: {question}\n"

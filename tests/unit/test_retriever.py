@@ -253,8 +253,16 @@ def test_index_config_errors(corpus, encoder):
         IndexConfig(kind="lsh")
     with pytest.raises(ValueError, match="no GPU HNSW"):
         IndexConfig(kind="hnsw", use_gpu=True)
+    with pytest.raises(ValueError, match="nprobe=32 visits more clusters than nlist=4 has"):
+        IndexConfig(kind="ivfpq", nlist=4)  # faiss would visit all 4 without a word
+    for bad, message in [({"pq_nbits": 64}, "pq_nbits must lie in"), ({"hnsw_m": 0}, "hnsw_m must"),
+                         ({"nprobe": 0}, "nprobe must be >= 1")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            IndexConfig(**bad)
+    with pytest.raises(TypeError, match="IndexConfig.use_gpu takes true or false"):
+        IndexConfig(use_gpu="yes")
     with pytest.raises(ValueError, match="needs at least 256 docs; the corpus has 20"):
-        DenseIndex.build(corpus, encoder, IndexConfig(kind="ivfpq", nlist=4))
+        DenseIndex.build(corpus, encoder, IndexConfig(kind="ivfpq", nlist=4, nprobe=4))
     with pytest.raises(ValueError, match="must divide the embedding dimension 384"):
         DenseIndex.build(corpus, encoder, IndexConfig(kind="ivfpq", pq_m=10))
     import faiss

@@ -171,3 +171,39 @@ def test_small_world_and_config_errors():
         make_world(entities=10)
     with pytest.raises(ValueError, match="two_hop_fraction"):
         WorldConfig(two_hop_fraction=1.5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (
+            {"event_doc_fraction": float("nan")},
+            TypeError,
+            r"event_doc_fraction takes a number, not NaN",
+        ),
+        ({"event_doc_fraction": float("inf")}, ValueError, r"event_doc_fraction must be a finite"),
+        (
+            {"country_fraction": float("nan")},
+            TypeError,
+            r"country_fraction takes a number, not NaN",
+        ),
+        ({"two_hop_fraction": float("-inf")}, ValueError, r"two_hop_fraction must be a finite"),
+        ({"num_entities": "100"}, TypeError, r"num_entities takes an integer, got '100' \(str\)"),
+        ({"num_entities": 20.5}, TypeError, r"num_entities takes an integer, got 20\.5"),
+        ({"seed": "x"}, TypeError, r"WorldConfig\.seed takes an integer, got 'x'"),
+        ({"seed": 1.5}, TypeError, r"WorldConfig\.seed takes an integer, got 1\.5"),
+        ({"seed": True}, TypeError, r"WorldConfig\.seed takes an integer, got True"),
+    ],
+)
+def test_config_values_of_the_wrong_type_or_not_finite_name_the_field(overrides, error, message):
+    """Not "cannot convert float NaN to integer" deep in make_world, nor a NaN fraction or a
+    str seed accepted."""
+    with pytest.raises(error, match=message):
+        WorldConfig(**overrides)
+    with pytest.raises(error, match=message):
+        make_world(**overrides)
+
+
+def test_make_world_takes_a_world_config():
+    with pytest.raises(TypeError, match=r"make_world takes a WorldConfig .*got dict"):
+        make_world({"seed": 3})
