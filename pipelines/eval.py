@@ -16,17 +16,21 @@ whatever generator.temperature and generator.group_size say.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ray_credit.actors.generator import GeneratorConfig
+from ray_credit.config import InputError, check_fields
 from ray_credit.estimators import ESTIMATORS  # noqa: E402
+from ray_credit.pipeline import checkpoints
 from ray_credit.pipeline.recipe import (
     DataConfig,
     ResourcesConfig,
     RetrieverConfig,
+    check_model,
     connect,
     describe_change,
     eval_change,
@@ -69,13 +73,23 @@ class EvalRun:
     """The training run's pipeline.seed (it decides which questions are held out)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.split not in ("heldout", "all"):
             raise ValueError(f"split must be heldout or all, got {self.split!r}")
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(
+                f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
+            )
 
 
 def resolve_model(path: str) -> str:
-    """A training checkpoint holds the policy under learner/model."""
-    for candidate in (Path(path) / "learner" / "model", Path(path) / "model"):
+    """A training checkpoint holds the policy under learner/model (a run's checkpoint
+    folder: in its newest step's folder)."""
+    folder = Path(path)
+    saved = checkpoints(folder)
+    if saved:
+        folder = saved[-1][1]
+    for candidate in (folder / "learner" / "model", folder / "model"):
         if (candidate / "config.json").is_file():
             return str(candidate)
     return path
@@ -89,7 +103,12 @@ def read_before(path: str) -> dict:
     except (OSError, json.JSONDecodeError) as err:
         raise SystemExit(f"--before {path}: cannot read it as JSON ({err})") from None
     data = data.get("eval_before", data) if isinstance(data, dict) else data
-    if not isinstance(data, dict) or not {"correct", "source", "em"} <= set(data):
+    if (
+        not isinstance(data, dict)
+        or not {"correct", "source", "em"} <= set(data)
+        or not isinstance(data["correct"], dict)
+        or not data["correct"]
+    ):
         raise SystemExit(
             f"--before {path}: holds no per-question outcomes ('correct', 'source'); give "
             "an eval.py --output file or a run's summary.json"
@@ -108,11 +127,18 @@ def main(argv=None) -> dict:
         skip_sections=TRAINING_SECTIONS,
     )
     greedy = replace(cfg.generator, temperature=0.0, group_size=1)
-    earlier = read_before(cfg.before) if cfg.before else None  # a bad file fails before Ray
-    ray = connect(cfg)
-    corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.seed)
-    questions = eval_q if cfg.split == "heldout" else train_q + eval_q
+    # everything a user handed us is checked before Ray starts, and refused in one line
+    earlier = read_before(cfg.before) if cfg.before else None
+    if cfg.output and not Path(cfg.output).resolve().parent.is_dir():
+        raise SystemExit(f"eval.py: error: --output {cfg.output}: its folder does not exist")
     model = resolve_model(cfg.model)
+    try:
+        corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.seed)
+        check_model("--model", model)
+    except InputError as err:
+        raise SystemExit(f"eval.py: error: {err}") from None
+    questions = eval_q if cfg.split == "heldout" else train_q + eval_q
+    ray = connect(cfg)
     index = cfg.retriever.index_folder
     retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)
     generators = make_generators(model, retriever, cfg, greedy, prefix="eval")
@@ -124,6 +150,7 @@ def main(argv=None) -> dict:
     parts = ray.get(refs, timeout=cfg.timeout_s)
     counts: dict[str, int] = {}
     hits: dict[str, float] = {}
+    searches: dict[str, float] = {}
     correct: dict[str, int] = {}
     source: dict[str, str] = {}
     for part, share in zip(parts, shares, strict=True):
@@ -131,9 +158,11 @@ def main(argv=None) -> dict:
         for i, key in zip(share, part["correct"], strict=True):
             whole = question_key(int(i), questions[i]["question"])
             correct[whole], source[whole] = part["correct"][key], part["source"][key]
-        for source, n in part["count_by_source"].items():
-            counts[source] = counts.get(source, 0) + n
-            hits[source] = hits.get(source, 0.0) + part["em_by_source"][source] * n
+        for data_source, n in part["count_by_source"].items():
+            counts[data_source] = counts.get(data_source, 0) + n
+            hits[data_source] = hits.get(data_source, 0.0) + part["em_by_source"][data_source] * n
+            searched = part["searches_by_source"][data_source] * n
+            searches[data_source] = searches.get(data_source, 0.0) + searched
     total = sum(counts.values())
     result = {
         "model": model,
@@ -141,6 +170,8 @@ def main(argv=None) -> dict:
         "questions": total,
         "em": sum(hits.values()) / total,
         "answered": sum(p["answered"] * p["questions"] for p in parts) / total,
+        "searches_per_traj": sum(searches.values()) / total,
+        "searches_by_source": {k: searches[k] / counts[k] for k in sorted(counts)},
         "em_by_source": {k: hits[k] / counts[k] for k in sorted(counts)},
         "count_by_source": dict(sorted(counts.items())),
         "correct": correct,

@@ -5,7 +5,9 @@ from ray_credit.pipeline.runner import (
     PipelineConfig,
     StageError,
     actor_stage,
+    checkpoints,
     estimator_stage,
+    resolve_checkpoint,
 )
 from ray_credit.pipeline.weights import WeightPublisher, WeightSyncError
 
@@ -16,5 +18,7 @@ __all__ = [
     "WeightPublisher",
     "WeightSyncError",
     "actor_stage",
+    "checkpoints",
     "estimator_stage",
+    "resolve_checkpoint",
 ]

@@ -21,6 +21,7 @@ training batches are read by Ray tasks and actors, the driver gets their summari
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -34,6 +35,7 @@ import numpy as np
 from ray_credit.actors.generator import RETRIEVAL_TIMEOUT_S, GeneratorConfig
 from ray_credit.actors.learner import LearnerConfig
 from ray_credit.actors.retriever import EncoderConfig, IndexConfig
+from ray_credit.config import check_fields
 from ray_credit.data import WorldConfig
 from ray_credit.pipeline.plan import Plan, make_plan, recipe_defaults
 from ray_credit.pipeline.runner import Pipeline, PipelineConfig
@@ -77,6 +79,15 @@ class DataConfig:
     world: WorldConfig = field(default_factory=WorldConfig)
     """The synthetic world's settings."""
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.questions == "synthetic" and self.corpus is not None:
+            raise ValueError(
+                f"data.corpus={self.corpus!r} is set but data.questions is 'synthetic', which "
+                "brings its own corpus: give the question file it belongs to "
+                "(--data.questions FILE), or drop data.corpus"
+            )
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -89,6 +100,14 @@ class EvalConfig:
     apart from RL's)."""
     max_new_tokens: int | None = None
     """Token limit per turn (None: the generator's)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(
+                f"eval.max_new_tokens must be >= 1, or null for the generator's, got "
+                f"{self.max_new_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -107,6 +126,14 @@ class RetrieverConfig:
     instead of building an index; the corpus then only feeds the judges."""
     timeout_s: float = RETRIEVAL_TIMEOUT_S
     """Longest wait for one retrieval call from a generator."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(
+                f"retriever.timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
+            )
+        _check_url("retriever.url", self.url, "http://host:8000/retrieve")
 
 
 @dataclass(frozen=True)
@@ -139,8 +166,18 @@ class JudgeConfig:
     def __post_init__(self) -> None:
         from ray_credit.actors.judge import BACKENDS
 
+        check_fields(self)
         if self.backend not in BACKENDS:
             raise ValueError(f"judge.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name, least in (("batch_size", 1), ("max_concurrency", 1), ("max_retries", 0),
+                            ("num_actors", 0)):  # fmt: skip
+            if getattr(self, name) < least:
+                raise ValueError(f"judge.{name} must be >= {least}, got {getattr(self, name)}")
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(
+                f"judge.timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
+            )
+        _check_url("judge.base_url", self.base_url, "http://host:8000/v1")
 
     def check(self) -> None:
         """Checks across fields (once the whole config is assembled)."""
@@ -199,7 +236,27 @@ class ResourcesConfig:
     def __post_init__(self) -> None:
         from ray_credit.actors.learner_group import check_strategy
 
+        check_fields(self)
         check_strategy(self.learner_strategy)  # at parse time, not after the actors start
+        for name in ("num_generators", "learner_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"resources.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("generator_cpus", "generator_gpus", "learner_cpus", "retriever_cpus",
+                     "judge_cpus", "eval_cpus"):  # fmt: skip
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"resources.{name} must be a finite number >= 0, got {getattr(self, name)}"
+                )
+        if self.generator_max_restarts < -1:
+            raise ValueError(
+                "resources.generator_max_restarts must be >= 0, or -1 for as many as Ray "
+                f"allows, got {self.generator_max_restarts}"
+            )
+        if self.local_cpus is not None and self.local_cpus < 1:
+            raise ValueError(
+                f"resources.local_cpus must be >= 1, or null for the machine's, got "
+                f"{self.local_cpus}"
+            )
 
     def custom(self, role: str) -> dict[str, float]:
         """The custom resources of an actor of ``role`` ('generator', 'learner',
@@ -233,6 +290,20 @@ class RunConfig:
     """Supervised fine-tuning on scripted demonstrations before RL (ray_credit.warm_start)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        if (
+            not self.name
+            or self.name.strip() != self.name
+            or "/" in self.name
+            or "\\" in self.name
+            or self.name in (".", "..")
+        ):
+            raise ValueError(
+                f"name={self.name!r} must be a plain folder name (no slashes, not '.' or "
+                "'..', not blank): the run is written to output_dir/name"
+            )
+        if not self.model:
+            raise ValueError("model must name a model: an embedded name, an HF id or a folder")
         if self.wandb not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb must be offline, online or disabled, got {self.wandb!r}")
 
@@ -247,6 +318,11 @@ class RunConfig:
             )
         if self.generator.backend == "vllm":
             _check_vllm(self.generator, self.resources, self.pipeline)
+
+
+def _check_url(name: str, url: str | None, example: str) -> None:
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ValueError(f"{name}={url!r} must be an http:// or https:// URL, e.g. {example}")
 
 
 def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig) -> None:
@@ -264,47 +340,40 @@ def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig
         )
 
 
-def check_resume_folder(folder: str) -> None:
-    """Refuse ``--resume FOLDER`` before Ray starts unless it is a whole checkpoint: the
-    pipeline's state (readable JSON) and the learner's part (what :meth:`Pipeline.save`
-    writes)."""
+def check_resume_folder(folder: str) -> Path:
+    """The checkpoint ``--resume FOLDER`` resumes from (the newest whole one in a run's
+    checkpoint folder, or FOLDER itself: :func:`~ray_credit.pipeline.resolve_checkpoint`),
+    refused before Ray starts unless it is whole: the pipeline's state (readable JSON) and
+    the learner's part (what :meth:`Pipeline.save` writes)."""
     from ray_credit.config import InputError, InputFileNotFoundError
-    from ray_credit.pipeline.runner import _STATE_FILE
+    from ray_credit.pipeline.runner import _STATE_FILE, resolve_checkpoint
 
     path = Path(folder)
     usage = "pass the checkpoint folder a run wrote (output_dir/name/checkpoint)"
-    if (path / "checkpoint" / _STATE_FILE).is_file():
+    if not path.is_dir():
+        raise InputFileNotFoundError(f"--resume {folder}: no such folder; {usage}")
+    if (path / "checkpoint").is_dir() and not (path / _STATE_FILE).is_file():
         raise InputError(
             f"--resume {folder}: that is a run's folder; its checkpoint is "
             f"{path / 'checkpoint'}: --resume {path / 'checkpoint'}"
         )
-    if not path.is_dir():
-        # a save cut off between its two renames leaves the new checkpoint (whole once its
-        # state file is written, the last thing a save writes) beside the previous one
-        whole = [
-            Path(f"{folder}{suffix}")
-            for suffix in (".tmp", ".old")
-            if (Path(f"{folder}{suffix}") / _STATE_FILE).is_file()
-        ]
-        note = (
-            f" (a save was cut off: {whole[0]} is a whole checkpoint, the newest there is; "
-            f"rename it to {folder} to resume from it)"
-            if whole
-            else ""
-        )
-        raise InputFileNotFoundError(f"--resume {folder}: no such folder{note}; {usage}")
-    missing = [p for p in (_STATE_FILE, "learner") if not (path / p).exists()]
-    if missing:
+    try:
+        chosen = resolve_checkpoint(path)
+    except FileNotFoundError as err:
+        raise InputError(f"--resume {folder}: {err}; {usage}") from None
+    where = "" if chosen == path else f" ({chosen.name}, the newest there)"
+    if not (chosen / "learner").is_dir():
         raise InputError(
-            f"--resume {folder}: not a pipeline checkpoint (it has no "
-            f"{' and no '.join(missing)}); {usage}"
+            f"--resume {folder}{where}: not a pipeline checkpoint (it has no learner); {usage}"
         )
     try:
-        json.loads((path / _STATE_FILE).read_text())
+        json.loads((chosen / _STATE_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(
-            f"--resume {folder}: {_STATE_FILE} is damaged ({err}); resume from an intact checkpoint"
+            f"--resume {folder}{where}: {_STATE_FILE} is damaged ({err}); resume from an "
+            "intact checkpoint"
         ) from None
+    return chosen
 
 
 # ----------------------------------------------------------------------------- data
@@ -642,8 +711,9 @@ def train(cfg: Any, estimator: str) -> dict:
     for departure in plan.departures:
         print(f"note: departs from {estimator}'s recipe: {departure}", flush=True)
     titles = _checked_demonstrations(cfg, corpus, train_q) if cfg.warm_start.enabled else {}
-    if cfg.resume is not None:
-        check_resume_folder(cfg.resume)
+    _preflight(cfg, train_q)
+    if cfg.resume is not None:  # the newest whole checkpoint in the folder given
+        cfg = replace(cfg, resume=str(check_resume_folder(cfg.resume)))
     # Services: retriever, judges, scorer, generators, learner.
     ray = connect(cfg)
     _warn_if_short(ray, cfg, plan)
@@ -737,13 +807,73 @@ def train(cfg: Any, estimator: str) -> dict:
     return summary
 
 
+def _preflight(cfg: Any, train_q: list[dict]) -> None:
+    """Refuse, before Ray starts, what would otherwise fail inside an actor minutes later
+    (after the warm-start, with a traceback): the model, the judge's model, the prompt
+    template, the field steps are stratified by."""
+    from ray_credit.config import InputError
+    from ray_credit.pipeline.runner import _strata
+    from ray_credit.protocol import load_prompt_template
+
+    check_model("model", cfg.model)
+    judge = getattr(cfg, "judge", None)
+    if judge is not None and judge.backend == "hf" and judge.model:
+        check_model("judge.model", judge.model)
+    try:
+        load_prompt_template(cfg.generator.prompt_template)
+    except (OSError, ValueError, TypeError) as err:
+        raise InputError(f"generator.prompt_template: {err}") from None
+    try:
+        _strata(train_q, cfg.pipeline.stratify_by)
+    except ValueError as err:
+        raise InputError(str(err)) from None
+
+
+def check_model(setting: str, model: str) -> None:
+    """Refuse a model name no actor could load, before Ray starts: an embedded name, a
+    folder with ``config.json`` (a Hugging Face model folder) or an id the hub or its
+    cache knows (only its config is fetched)."""
+    from ray_credit.config import InputError, InputFileNotFoundError
+    from ray_credit.models import EMBEDDED_MODELS, _model_name
+
+    usage = (
+        f"give an embedded name {sorted(EMBEDDED_MODELS)}, a Hugging Face model folder "
+        "(with config.json; a run's policy is its checkpoint's learner/model), or a hub id"
+    )
+    try:
+        name = _model_name(model)  # not a name, blank, or a folder without config.json
+    except (TypeError, InputError) as err:
+        raise InputError(f"{setting}={model!r}: {err}") from None
+    path = Path(name).expanduser()
+    if name in EMBEDDED_MODELS or path.is_dir():
+        return
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise InputFileNotFoundError(f"{setting}={model!r}: no such folder; {usage}")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(
+            f"{setting}={model!r} is not a folder here, and the Hugging Face hub (or its "
+            f"cache) gave no such model ({reason}); {usage}"
+        ) from None
+
+
 def _checked_demonstrations(cfg: Any, corpus: Any, questions: list[dict]) -> dict[str, str]:
     """The titles of the documents the training questions' demonstrations search, by id,
     once every demonstration is known to be writable (refused here, before Ray starts,
     when one is not)."""
     from ray_credit.actors.retriever import Corpus
+    from ray_credit.config import InputError
     from ray_credit.warm_start import expert_turns
 
+    if cfg.warm_start.questions > len(questions):
+        raise InputError(
+            f"warm_start.questions={cfg.warm_start.questions} is more than the "
+            f"{len(questions)} training questions; give at most {len(questions)} (0: all)"
+        )
     docs = Corpus.coerce(corpus)
     titles = {i: c.partition("\n")[0] for i, c in zip(docs.ids, docs.contents, strict=True)}
     for q in questions:

@@ -88,7 +88,15 @@ import numpy as np
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.pipeline.report import chunk_report, staleness_of, step_metrics
 
-__all__ = ["Pipeline", "PipelineConfig", "StageError", "actor_stage", "estimator_stage"]
+__all__ = [
+    "Pipeline",
+    "PipelineConfig",
+    "StageError",
+    "actor_stage",
+    "checkpoints",
+    "estimator_stage",
+    "resolve_checkpoint",
+]
 
 _STATE_FILE = "pipeline.json"
 _BUFFER_DIR = "buffer"
@@ -133,7 +141,12 @@ class PipelineConfig:
     checkpoint_every: int = 0
     """Save every this many steps into ``checkpoint_dir`` (0: only at the end)."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go (None: no checkpoints)."""
+    """Where checkpoints go (None: no checkpoints): one folder per saved step,
+    ``step_000012``, each whole before it gets its name. Resuming from this folder takes
+    the newest."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints ``checkpoint_dir`` keeps; an older one is deleted
+    only once a newer one is whole."""
     weight_sync: str = "object_store"
     """How weights reach the generators: 'object_store' (everywhere; survives generator
     restarts), 'nccl' (a broadcast between GPUs) or 'gloo' (the same broadcast on CPUs)."""
@@ -142,6 +155,9 @@ class PipelineConfig:
     actors; the estimator takes milliseconds)."""
 
     def __post_init__(self) -> None:
+        from ray_credit.config import check_fields
+
+        check_fields(self)  # types first: the checks below compare numbers
         for name in ("steps", "groups_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -156,9 +172,16 @@ class PipelineConfig:
             )
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.generation_timeout_s is not None and self.generation_timeout_s <= 0:
+        if self.keep_checkpoints < 1:
+            raise ValueError(
+                f"keep_checkpoints must be >= 1 (the newest is what a resume needs), got "
+                f"{self.keep_checkpoints}"
+            )
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(
+                f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
+            )
+        if self.generation_timeout_s is not None and not 0 < self.generation_timeout_s < math.inf:
             raise ValueError(
                 f"generation_timeout_s must be > 0 (None: timeout_s), got "
                 f"{self.generation_timeout_s}"
@@ -167,8 +190,8 @@ class PipelineConfig:
             raise ValueError(
                 f"weight_sync must be 'object_store', 'nccl' or 'gloo', got {self.weight_sync!r}"
             )
-        if self.stage_cpus < 0:
-            raise ValueError(f"stage_cpus must be >= 0, got {self.stage_cpus}")
+        if not 0 <= self.stage_cpus < math.inf:
+            raise ValueError(f"stage_cpus must be finite and >= 0, got {self.stage_cpus}")
         if self.stratify_by is not None and not self.stratify_by:
             raise ValueError("stratify_by must name a question field, or be None")
 
@@ -885,11 +908,13 @@ class Pipeline:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, folder: str | os.PathLike) -> Path:
-        """Learner state, data cursor and every generated chunk not trained yet (called
-        between steps: the learner is idle)."""
+        """Learner state, data cursor and every generated chunk not trained yet, in
+        ``folder/step_NNNNNN`` (called between steps: the learner is idle); then only the
+        newest ``keep_checkpoints`` are kept. Returns the step's folder."""
         import ray
 
-        folder = Path(folder).resolve()  # workers' working directories may differ
+        root = Path(folder).resolve()  # workers' working directories may differ
+        folder = root / f"step_{self.step:06d}"
         tmp = folder.with_name(folder.name + ".tmp")
         if tmp.exists():
             _rmtree(tmp)
@@ -921,16 +946,21 @@ class Pipeline:
         old = folder.with_name(folder.name + ".old")  # until the new one is in place
         if old.exists():
             _rmtree(old)
-        if folder.exists():
+        if folder.exists():  # the same step saved again (a periodic save, then the last)
             folder.rename(old)
         tmp.rename(folder)
         if old.exists():
             _rmtree(old)
+        for _, stale in checkpoints(root)[: -self.config.keep_checkpoints]:
+            _rmtree(stale)
+        for leftover in [*root.glob("step_*.tmp"), *root.glob("step_*.old")]:
+            _rmtree(leftover)  # what a save cut off earlier left: never picked up
         return folder
 
     def _restore(self, folder: Path) -> None:
         import ray
 
+        folder = resolve_checkpoint(folder)
         path = folder / _STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(
@@ -998,6 +1028,37 @@ def _on_this_node() -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The whole checkpoints in ``folder`` (a ``checkpoint_dir``), oldest first, as
+    ``(step, path)``: its ``step_NNNNNN`` folders. A save writes ``step_NNNNNN.tmp`` and
+    renames it once everything is in it, so a folder with the name is whole."""
+    found = []
+    for path in Path(folder).glob("step_*"):
+        step = path.name[len("step_") :]
+        if step.isdigit() and (path / _STATE_FILE).is_file():
+            found.append((int(step), path))
+    return sorted(found)
+
+
+def resolve_checkpoint(folder: str | os.PathLike) -> Path:
+    """The checkpoint to resume from: the newest whole one in ``folder`` (a
+    ``checkpoint_dir``), else ``folder`` itself when it is one (a step's folder, or a
+    checkpoint written before they were kept per step). FileNotFoundError names the
+    folder when it holds none."""
+    path = Path(folder)
+    found = checkpoints(path)
+    if not found and (path / _STATE_FILE).is_file():
+        return path
+    if not found:
+        cut = sorted(p.name for p in path.glob("step_*.tmp"))
+        note = f" (only {', '.join(cut)}: a save cut off before it finished)" if cut else ""
+        raise FileNotFoundError(
+            f"{path} holds no checkpoint{note}: a checkpoint folder has {_STATE_FILE}, and a "
+            "run's checkpoint_dir has step_NNNNNN folders that do"
+        )
+    return found[-1][1]
 
 
 def _rmtree(path: Path) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ray_credit.pipeline import checkpoints, resolve_checkpoint
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "--model", "tiny-random",
@@ -84,7 +86,7 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     assert "held-out EM, paired on the same questions" in stdout
     assert summary["eval_change"]["all"]["n"] == 4  # the same 4 questions, before and after
     assert (out / "plot.png").stat().st_size > 1000
-    assert (out / "checkpoint" / "pipeline.json").is_file()
+    assert [step for step, _ in checkpoints(out / "checkpoint")] == [2]
     assert any((out / "wandb").iterdir())  # the offline wandb run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["pipeline/step"] for r in rows] == [1, 2]
@@ -114,10 +116,13 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
         ray_cluster,
     )  # fmt: skip
     result = json.loads(result_file.read_text())
-    assert result["model"].endswith("checkpoint/learner/model") and result["questions"] == 4
+    assert result["model"].endswith("checkpoint/step_000003/learner/model")  # the newest
+    assert result["questions"] == 4
     # paired with the run's own evaluation of the same 4 questions
     assert result["change"]["all"]["n"] == 4 and "held-out EM, paired" in stdout
     assert set(result["correct"]) == set(summary["eval_before"]["correct"])
+    assert result["source"] == summary["eval_before"]["source"]  # each question's source
+    assert set(result["searches_by_source"]) == set(result["em_by_source"])
     assert set(result["em_by_source"]) <= {"synthetic_1hop", "synthetic_2hop"}
     assert "all" in stdout
 
@@ -154,18 +159,26 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(ray_cluster, t
         time.sleep(0.2)
     assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]  # mid-run
     driver.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
     driver.wait(timeout=30)
     log.close()
     deadline = time.monotonic() + 60  # Ray reaps a dead driver's actors
     while alive() > before and time.monotonic() < deadline:
         time.sleep(1)
     assert alive() == before
-    state = json.loads((out / "checkpoint" / "pipeline.json").read_text())
-    assert 1 <= state["step"] <= 3  # the newest whole checkpoint, never a half-written one
+    kept = [step for step, _ in checkpoints(out / "checkpoint")]
+    assert 1 <= len(kept) <= 2 and kept == list(range(kept[0], kept[-1] + 1))  # the newest 2
+    state = json.loads((resolve_checkpoint(out / "checkpoint") / "pipeline.json").read_text())
+    assert state["step"] == kept[-1] <= 3  # the newest whole checkpoint
 
     stdout = run("tspo.py", [*args, "--resume", str(out / "checkpoint")], ray_cluster)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["groups_trained"] == 8
+    print(
+        f"\nRECOVERY the driver, SIGKILLed after step {state['step'] + 1}: actors reaped and "
+        f"the run resumed from step {state['step']} and finished {time.monotonic() - killed_at:.0f}"
+        f" s after the kill ({summary['seconds']:.0f} s of it the resumed run's own)"
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = [r["pipeline/step"] for r in rows][-(4 - state["step"]) :]
     assert resumed == list(range(state["step"] + 1, 5)) and "step 4/4" in stdout

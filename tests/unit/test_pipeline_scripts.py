@@ -47,10 +47,10 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
     starts, in one line that says what to do, as argparse's errors are."""
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "pipeline.json").write_text("{}")
-    for folder in ("run/checkpoint", "cut.tmp", "damaged/learner"):
+    for folder in ("run/checkpoint", "cut/step_000002.tmp", "damaged/learner"):
         (tmp_path / folder).mkdir(parents=True)
     (tmp_path / "run" / "checkpoint" / "pipeline.json").write_text("{}")
-    (tmp_path / "cut.tmp" / "pipeline.json").write_text("{}")
+    (tmp_path / "cut" / "step_000002.tmp" / "pipeline.json").write_text("{}")
     (tmp_path / "damaged" / "pipeline.json").write_text('{"step": ')
     cases = [
         (["--resume", str(tmp_path / "nope")], "--resume .*nope: no such folder; pass the "
@@ -59,11 +59,22 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
         (["--data.eval_questions", "-1"], "data.eval_questions=-1 must hold out at least one"),
         (["--resume", str(tmp_path / "run")], "--resume .*run: that is a run's folder; its "
          "checkpoint is .*run/checkpoint"),
-        (["--resume", str(tmp_path / "cut")], "--resume .*cut: no such folder \\(a save was cut "
-         "off: .*cut.tmp is a whole checkpoint"),
+        (["--resume", str(tmp_path / "cut")], "--resume .*cut: .*cut holds no checkpoint \\(only "
+         "step_000002.tmp: a save cut off"),
         (["--resume", str(tmp_path / "damaged")], "--resume .*damaged: pipeline.json is damaged"),
         (["--data.questions", str(tmp_path / "q.jsonl"), "--data.corpus", str(tmp_path / "no.jsonl")],
          "data.corpus '.*no.jsonl' does not exist"),
+        # what used to fail in an actor, minutes later, after the warm-start
+        (["--model", str(tmp_path / "no" / "such")], "model='.*no/such': no such folder; give an "
+         "embedded name"),
+        (["--model", str(tmp_path / "half")], "model='.*half': .*half' is a folder but not a model "
+         "folder: it has no config.json"),
+        (["--generator.prompt_template", "nosuch.txt"], "generator.prompt_template: prompt template "
+         "file 'nosuch.txt' does not exist"),
+        (["--pipeline.stratify_by", "hop"], "pipeline.stratify_by='hop', but 282 of 282 training "
+         "questions have no 'hop'"),
+        (["--warm_start.questions", "100000"], "warm_start.questions=100000 is more than the 282 "
+         "training questions"),
     ]  # fmt: skip
     for flags, message in cases:
         out = subprocess.run(
@@ -246,3 +257,22 @@ def test_eval_before_reads_per_question_outcomes_or_says_what_it_needs(tmp_path)
         read_before(str(bare))
     with pytest.raises(SystemExit, match="cannot read it as JSON"):
         read_before(str(tmp_path / "missing.json"))
+
+
+def test_eval_refuses_bad_input_before_ray(tmp_path):
+    """pipelines/eval.py: a missing output folder, a model that is not there, a --before
+    file without outcomes: one line, before Ray starts (an evaluation takes minutes)."""
+    (tmp_path / "empty.json").write_text('{"correct": {}, "source": {}, "em": 0}')
+    cases = [
+        (["--output", str(tmp_path / "no" / "r.json")], "--output .*r.json: its folder does not exist"),
+        (["--model", str(tmp_path / "none")], "--model='.*none': no such folder"),
+        (["--before", str(tmp_path / "empty.json")], "--before .*empty.json: holds no per-question"),
+    ]  # fmt: skip
+    for flags, message in cases:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "pipelines" / "eval.py"), *flags],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 1, (flags, out.stderr[-2000:])
+        assert re.search(message, out.stderr), out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and "Started a local Ray" not in out.stderr
