@@ -118,8 +118,9 @@ def test_stop_strings_end_a_turn_and_stay_in_its_ids(engine, prompt):
 
 def test_weights_load_in_place_like_a_fresh_engine(engine, hf, prompt, tmp_path):
     """New weights change the samples; greedy output equals a fresh engine's built from the
-    same weights; a wrong-shaped publication is refused and changes nothing."""
-    model, tokenizer = hf
+    same weights saved as a learner checkpoint's policy folder; a wrong-shaped publication
+    is refused and changes nothing."""
+    model, _ = hf
     greedy = SamplingParams(max_new_tokens=16, temperature=0)
     old = engine.sample([prompt], greedy, seed=0)[0].token_ids
     generator = torch.Generator().manual_seed(0)
@@ -140,11 +141,14 @@ def test_weights_load_in_place_like_a_fresh_engine(engine, hf, prompt, tmp_path)
     new = engine.sample([prompt], greedy, seed=0)[0].token_ids
     assert new != old
 
-    perturbed, _ = load_model("smollm2-135m")
-    perturbed.load_state_dict(weights)
-    perturbed.save_pretrained(tmp_path, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_path)
-    fresh = _engine(str(tmp_path))
+    # the fresh engine reads the policy folder of a learner checkpoint, as saved in a run
+    from ray_credit.actors.learner import Learner, LearnerConfig
+
+    learner = Learner(load_model("smollm2-135m"), LearnerConfig())
+    learner.model.load_state_dict(weights)
+    learner.save(tmp_path / "checkpoint")
+    del learner
+    fresh = _engine(str(tmp_path / "checkpoint" / "model"))
     assert fresh.sample([prompt], greedy, seed=0)[0].token_ids == new
     # and sampling agrees too: same weights, same seeds, same tokens
     rows = [prompt] * 3
