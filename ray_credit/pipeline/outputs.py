@@ -8,15 +8,29 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Logger", "plot", "smooth"]
+__all__ = ["Logger", "plot", "read_metrics", "smooth"]
 
 
 class Logger:
-    """metrics.jsonl, a progress line per step, and wandb (offline by default)."""
+    """metrics.jsonl, a progress line per step, and wandb (offline by default).
 
-    def __init__(self, cfg: Any, out: Path):
+    A new run starts ``metrics.jsonl`` afresh. A resumed run (``resumed_step``: the step
+    its checkpoint was saved at) keeps the rows of the steps up to it, drops the rows the
+    interrupted run logged after it (those steps are trained again), and appends; ``rows``
+    then hold the whole history, for the plot. ``wandb_id``: the wandb run to continue.
+    """
+
+    def __init__(
+        self, cfg: Any, out: Path, *, resumed_step: int | None = None, wandb_id: str | None = None
+    ):
+        path = out / "metrics.jsonl"
         self.rows: list[dict] = []
-        self.file = (out / "metrics.jsonl").open("a")
+        if resumed_step is not None and path.is_file():
+            self.rows = [r for r in read_metrics(path) if r["pipeline/step"] <= resumed_step]
+            partial = path.with_suffix(".jsonl.partial")
+            partial.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            partial.replace(path)
+        self.file = path.open("a" if resumed_step is not None else "w")
         self.run = None
         self.started = time.perf_counter()
         if cfg.wandb != "disabled":
@@ -32,7 +46,9 @@ class Logger:
                 dir=str(out),
                 mode=cfg.wandb,
                 config=asdict(cfg),
-                reinit=True,
+                reinit="finish_previous",  # a second run in one process (the study)
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
             )
 
     def log(self, metrics: dict, step: int) -> None:
@@ -59,6 +75,26 @@ class Logger:
         self.file.close()
         if self.run is not None:
             self.run.finish()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The step rows of a ``metrics.jsonl``; a last line cut off mid-write (a killed run)
+    is left out, any other unreadable line named."""
+    rows, lines = [], path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # the line a killed run was writing
+                print(f"note: {path}:{number} was cut off mid-write; left out", flush=True)
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON metrics row") from None
+        if not isinstance(row, dict) or "pipeline/step" not in row:
+            raise ValueError(f"{path}:{number}: not a step's metrics (no pipeline/step)")
+        rows.append(row)
+    return rows
 
 
 def plot(rows: list[dict], summary: dict, path: Path) -> None:

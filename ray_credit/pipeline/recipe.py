@@ -38,7 +38,7 @@ from ray_credit.actors.retriever import EncoderConfig, IndexConfig
 from ray_credit.config import check_fields
 from ray_credit.data import WorldConfig
 from ray_credit.pipeline.plan import Plan, make_plan, recipe_defaults
-from ray_credit.pipeline.runner import Pipeline, PipelineConfig
+from ray_credit.pipeline.runner import Pipeline, PipelineConfig, checkpoint_state
 from ray_credit.warm_start import WarmStartConfig, settings_fingerprint
 
 __all__ = [
@@ -703,6 +703,7 @@ def train(cfg: Any, estimator: str) -> dict:
 
     check_config(cfg)  # every section's check(), as parse_config does
     t_start = time.perf_counter()
+    run_config = asdict(cfg)  # as given: what a --resume of this run starts from
     out = Path(cfg.output_dir).resolve() / cfg.name
     out.mkdir(parents=True, exist_ok=True)
     # Data and the method's plan: everything that can be refused is refused here.
@@ -712,8 +713,11 @@ def train(cfg: Any, estimator: str) -> dict:
         print(f"note: departs from {estimator}'s recipe: {departure}", flush=True)
     titles = _checked_demonstrations(cfg, corpus, train_q) if cfg.warm_start.enabled else {}
     _preflight(cfg, train_q)
+    resumed_step, previous = None, {}
     if cfg.resume is not None:  # the newest whole checkpoint in the folder given
         cfg = replace(cfg, resume=str(check_resume_folder(cfg.resume)))
+        resumed_step = int(checkpoint_state(cfg.resume)["step"])
+        previous = _previous_summary(out)
     # Services: retriever, judges, scorer, generators, learner.
     ray = connect(cfg)
     _warn_if_short(ray, cfg, plan)
@@ -721,13 +725,20 @@ def train(cfg: Any, estimator: str) -> dict:
     retriever = make_retriever(
         corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder or str(out / "index")
     )
-    logger = Logger(cfg, out)
+    logger = Logger(cfg, out, resumed_step=resumed_step, wandb_id=previous.get("wandb_id"))
     summary: dict[str, Any] = {
-        "config": asdict(cfg),
+        "config": run_config,
         "estimator": estimator,
         "departures": list(plan.departures),
         "output_dir": str(out),
-    }
+        "wandb_id": logger.run.id if logger.run is not None else None,
+        # every start of this run: its own config is "config"; a resume keeps the
+        # evaluations and history of the starts before it
+        "starts": [*previous.get("starts", []), {"resumed_from": cfg.resume,
+                                                   "step": resumed_step or 0}],
+    }  # fmt: skip
+    kept = _kept_evaluations(previous, run_config) if previous else {}
+    summary.update(kept)
     # The warm-start: every actor below then loads the warm-started policy as its model.
     if cfg.warm_start.enabled:
         cfg = _warm_start(cfg, retriever, train_q, eval_q, titles, out, summary, logger)
@@ -738,11 +749,22 @@ def train(cfg: Any, estimator: str) -> dict:
     generators = make_generators(cfg.model, retriever, cfg, cfg.generator, prefix="gen")
     learner = make_learner(cfg)
     # Evaluation before training (a resumed run: of the resumed policy).
-    if cfg.eval.enabled:
-        summary["eval_before"] = _evaluate_policy(
-            cfg, retriever, learner, eval_q, "before training"
+    if cfg.eval.enabled and "eval_before" in kept:
+        before = kept["eval_before"]
+        print(
+            f"eval before training: EM {before['em']:.3f} on {len(eval_q)} held-out questions "
+            f"(kept from {out / 'summary.json'}: this run before its first step)",
+            flush=True,
         )
-        logger.log(_eval_metrics(summary["eval_before"]), step=0)
+    elif cfg.eval.enabled:
+        when = (
+            "before training"
+            if cfg.resume is None
+            else f"of the resumed policy (step {resumed_step})"
+        )
+        summary["eval_before"] = _evaluate_policy(cfg, retriever, learner, eval_q, when)
+        logger.log(_eval_metrics(summary["eval_before"]), step=resumed_step or 0)
+    _write_summary(out, summary)  # a run cut off later keeps what it measured so far
     # The pipeline.
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
@@ -758,6 +780,7 @@ def train(cfg: Any, estimator: str) -> dict:
         weight_targets=[scorer] if scorer is not None else [],
         resume_from=cfg.resume,
         on_step=lambda m: logger.step(m, pipe_cfg.steps),
+        metadata={"run_config": run_config},
     )
     history = pipeline.run()
     summary.update(
@@ -795,7 +818,7 @@ def train(cfg: Any, estimator: str) -> dict:
     # Outputs.
     summary["final_step_metrics"] = history[-1] if history else {}
     summary["seconds"] = time.perf_counter() - t_start
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _write_summary(out, summary)
     plot(logger.rows, summary, out / "plot.png")
     logger.finish()
     learner.shutdown()
@@ -805,6 +828,44 @@ def train(cfg: Any, estimator: str) -> dict:
         flush=True,
     )
     return summary
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+    """``summary.json``, replaced whole (a reader never sees half of it)."""
+    partial = out / "summary.json.partial"
+    partial.write_text(json.dumps(summary, indent=2, default=str))
+    partial.replace(out / "summary.json")
+
+
+def _previous_summary(out: Path) -> dict:
+    """What the run being resumed wrote to its ``summary.json`` so far ({} if nothing)."""
+    path = out / "summary.json"
+    try:
+        previous = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        print(f"note: {path} is not readable ({err}); the resumed run starts a new one")
+        return {}
+    return previous if isinstance(previous, dict) else {}
+
+
+_EVALUATION_SETTINGS = ("model", "data", "generator", "retriever", "eval", "warm_start")
+
+
+def _kept_evaluations(previous: dict, run_config: dict) -> dict:
+    """The evaluations before training (and before the warm-start) of the run a resume
+    continues, kept when what decides them is unchanged (the policy it started from, the
+    data, the generator, retriever, evaluation and warm-start settings): its paired change
+    is then measured from the run's true start, not from where it was resumed."""
+    config = previous.get("config", {})
+    if any(config.get(key) != run_config.get(key) for key in _EVALUATION_SETTINGS):
+        changed = [k for k in _EVALUATION_SETTINGS if config.get(k) != run_config.get(k)]
+        print(f"note: the resumed run changes {', '.join(changed)}: its evaluation before "
+              "training is not the first run's, and is made again", flush=True)  # fmt: skip
+        return {}
+    keys = ("eval_before", "eval_base", "warm_start")
+    return {key: previous[key] for key in keys if key in previous}
 
 
 def _preflight(cfg: Any, train_q: list[dict]) -> None:
@@ -900,7 +961,7 @@ def _warm_start(
 
     from ray_credit.warm_start import warm_start
 
-    if cfg.eval.enabled and cfg.eval.before_warm_start:
+    if cfg.eval.enabled and cfg.eval.before_warm_start and "eval_base" not in summary:
         summary["eval_base"] = _evaluate_policy(
             cfg, retriever, None, eval_q, "before the warm-start"
         )
@@ -1055,15 +1116,52 @@ def load_config(
 ) -> Any:
     """``cls`` from its defaults, the estimator's recipe, the YAML file (``--config``, else
     ``default_config``) and the flags in ``argv``, in that order."""
-    from ray_credit.config import parse_config
+    from ray_credit.config import apply_overrides, parse_config
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults = recipe_defaults(cls(), estimator)
+    resumed = _resumed_settings(argv)
+    if resumed is not None:  # the run being resumed replaces the default file
+        try:
+            defaults = apply_overrides(defaults, resumed)
+        except (TypeError, ValueError) as err:
+            from ray_credit.config import InputError
+
+            raise InputError(
+                f"--resume: the checkpoint's run config does not fit this pipeline ({err}); "
+                "resume it with the pipeline that wrote it"
+            ) from None
+        default_config = None
     return parse_config(
-        cls,
-        sys.argv[1:] if argv is None else argv,
-        description=doc,
-        defaults=recipe_defaults(cls(), estimator),
-        default_config=default_config,
+        cls, argv, description=doc, defaults=defaults, default_config=default_config
     )
+
+
+def _resumed_settings(argv: Sequence[str]) -> dict[str, Any] | None:
+    """The settings of the run ``--resume`` continues (``{"section.field": value}``, what
+    :func:`train` saved with its checkpoints), so that a resume repeats none of its flags;
+    ``--config`` and flags given with ``--resume`` still override them. None without
+    ``--resume`` (or ``--help``), or for a checkpoint saved without its run's settings."""
+    import argparse
+
+    from ray_credit.config import _flatten
+
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--resume")
+    first.add_argument("-h", "--help", action="store_true")
+    known, _ = first.parse_known_args(argv)
+    if known.help or known.resume in (None, "none", "None"):
+        return None
+    chosen = check_resume_folder(known.resume)  # refused here, naming it, when not whole
+    run = checkpoint_state(chosen)["metadata"].get("run_config")
+    if run is None:
+        print(
+            f"note: {chosen} holds no run config (an older checkpoint): the settings come "
+            "from the defaults, --config and the flags, as for a new run",
+            flush=True,
+        )
+        return None
+    return {key: value for key, value in _flatten(run) if key != "resume"}
 
 
 def main(
@@ -1077,8 +1175,8 @@ def main(
     """What a pipeline script runs: :func:`load_config`, then :func:`train`."""
     from ray_credit.config import InputError
 
-    cfg = load_config(cls, estimator, argv, doc=doc, default_config=default_config)
     try:
+        cfg = load_config(cls, estimator, argv, doc=doc, default_config=default_config)
         return train(cfg, estimator)
     except InputError as err:  # the user's to fix: one line, as argparse's errors
         raise SystemExit(f"{Path(sys.argv[0]).name}: error: {err}") from None

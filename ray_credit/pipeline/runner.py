@@ -93,6 +93,7 @@ __all__ = [
     "PipelineConfig",
     "StageError",
     "actor_stage",
+    "checkpoint_state",
     "checkpoints",
     "estimator_stage",
     "resolve_checkpoint",
@@ -360,6 +361,9 @@ class Pipeline:
         resume_from: a checkpoint folder written by :meth:`save` (the learner must have
             been built from the same folder: ``LearnerGroup(resume_from=...)``).
         on_step: called with each step's metrics dict (progress display, loggers).
+        metadata: a JSON-able dict saved with every checkpoint (``pipeline.json``'s
+            ``metadata``; :func:`checkpoint_state` reads it back): what a caller needs
+            to resume its run, e.g. the run's whole config.
     """
 
     def __init__(
@@ -374,6 +378,7 @@ class Pipeline:
         weight_targets: Sequence[Any] = (),
         resume_from: str | os.PathLike | None = None,
         on_step: Callable[[dict[str, float]], None] | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ):
         import ray
 
@@ -395,6 +400,11 @@ class Pipeline:
         self.questions = list(questions)
         self._strata = _strata(self.questions, cfg.stratify_by)
         self.on_step = on_step
+        self.metadata = dict(metadata or {})
+        try:  # refused now, not at the first checkpoint an hour in
+            json.dumps(self.metadata)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"Pipeline metadata must be JSON-able: {err}") from None
         self._stages = ray.put(list(stages))  # pickled once, fetched by every stage task
         self._step_stages = ray.put(list(step_stages)) if step_stages else None
         # Ray retries a stage task whose worker died (judge calls are idempotent); an
@@ -941,6 +951,7 @@ class Pipeline:
             "num_questions": len(self.questions),
             "buffered": [[c.start, c.size] for c in done],
             "config": asdict(self.config),
+            "metadata": self.metadata,
         }
         (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
         old = folder.with_name(folder.name + ".old")  # until the new one is in place
@@ -1040,6 +1051,23 @@ def checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
         if step.isdigit() and (path / _STATE_FILE).is_file():
             found.append((int(step), path))
     return sorted(found)
+
+
+def checkpoint_state(folder: str | os.PathLike) -> dict[str, Any]:
+    """What :meth:`Pipeline.save` wrote to ``pipeline.json`` in the checkpoint ``folder``
+    resolves to (:func:`resolve_checkpoint`): ``step``, ``policy_version``, ``config`` and
+    the caller's ``metadata`` ({} when it saved none), among others."""
+    path = resolve_checkpoint(folder) / _STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{path} is not readable JSON ({err}); resume from an intact checkpoint"
+        ) from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} is not a pipeline checkpoint's state (a JSON object)")
+    state.setdefault("metadata", {})
+    return state
 
 
 def resolve_checkpoint(folder: str | os.PathLike) -> Path:

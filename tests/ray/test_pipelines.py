@@ -32,13 +32,13 @@ SMALL = [
 ]  # fmt: skip
 
 
-def run(script, args, ray_cluster, timeout=600):
+def run(script, args, ray_cluster, timeout=600, cwd=ROOT):
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     out = subprocess.run(
         [sys.executable, str(ROOT / "pipelines" / script), *args],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         timeout=timeout,
     )
@@ -93,11 +93,22 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     for key in ("train/reward_mean", "learner/grad_norm", "staleness/max", "gen/tokens_per_s"):
         assert key in rows[-1]
 
-    args = [*SMALL, "--output_dir", str(tmp_path), "--pipeline.steps", "3", "--wandb", "disabled"]
-    stdout = run("tspo.py", [*args, "--resume", str(out / "checkpoint")], ray_cluster)
+    first = summary
+    # --resume takes the run's own settings from its checkpoint: only what changes is given
+    stdout = run("tspo.py", ["--resume", str(out / "checkpoint"), "--pipeline.steps", "3"],
+                 ray_cluster, cwd=tmp_path)  # fmt: skip
     assert "warm-start: reused" in stdout  # the resumed learner's weights sit on the same base
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["groups_trained"] == 6  # none lost, none twice
+    assert summary["config"]["model"] == "tiny-random"  # the first run's settings...
+    assert summary["config"]["data"] == first["config"]["data"]
+    assert summary["config"]["pipeline"]["steps"] == 3  # ...and the flag given with --resume
+    # the history is kept: the first run's evaluation before training (not the resumed
+    # policy's), paired with the evaluation after step 3; one wandb run; every step once
+    assert "kept from" in stdout and summary["eval_before"] == first["eval_before"]
+    assert summary["eval_change"]["all"]["n"] == 4
+    assert summary["wandb_id"] == first["wandb_id"] is not None
+    assert [s["step"] for s in summary["starts"]] == [0, 2]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["pipeline/step"] for r in rows] == [1, 2, 3]
 
@@ -179,9 +190,9 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(ray_cluster, t
         f"the run resumed from step {state['step']} and finished {time.monotonic() - killed_at:.0f}"
         f" s after the kill ({summary['seconds']:.0f} s of it the resumed run's own)"
     )
+    # the killed run's rows after its checkpoint are dropped: those steps were trained again
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    resumed = [r["pipeline/step"] for r in rows][-(4 - state["step"]) :]
-    assert resumed == list(range(state["step"] + 1, 5)) and "step 4/4" in stdout
+    assert [r["pipeline/step"] for r in rows] == [1, 2, 3, 4] and "step 4/4" in stdout
 
 
 @pytest.mark.slow

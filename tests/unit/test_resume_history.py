@@ -1,0 +1,126 @@
+"""A resumed run keeps its history: its settings come from its checkpoint, its evaluation
+before training and its metrics rows are kept, and the rows an interrupted run logged
+after its checkpoint are dropped (those steps are trained again). The whole resume runs in
+tests/ray/test_pipelines.py; these are its parts, without Ray."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from ray_credit.config import InputError
+from ray_credit.pipeline import checkpoint_state
+from ray_credit.pipeline.outputs import Logger, read_metrics
+from ray_credit.pipeline.recipe import _kept_evaluations, load_config, run_config_class
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED = ROOT / "pipelines" / "configs" / "embedded.yaml"
+
+
+def _tspo_class():
+    return run_config_class(ROOT / "pipelines" / "tspo.py", "TSPORun")
+
+
+def _checkpoint(folder: Path, step: int, metadata: dict | None) -> Path:
+    """The files check_resume_folder asks of a checkpoint: the state and the learner."""
+    path = folder / f"step_{step:06d}"
+    (path / "learner").mkdir(parents=True)
+    state = {"format": 2, "step": step, "policy_version": step}
+    if metadata is not None:
+        state["metadata"] = metadata
+    (path / "pipeline.json").write_text(json.dumps(state))
+    return path
+
+
+def test_resume_takes_the_runs_settings_and_flags_override_them(tmp_path):
+    cls = _tspo_class()
+    first = load_config(
+        cls, "tspo", ["--model", "tiny-random", "--data.eval_questions", "7",
+                      "--learner.lr", "3e-5", "--name", "mine"],
+        default_config=EMBEDDED,
+    )  # fmt: skip
+    _checkpoint(tmp_path / "checkpoint", 4, {"run_config": asdict(first)})
+    assert checkpoint_state(tmp_path / "checkpoint")["step"] == 4
+
+    resumed = load_config(
+        cls, "tspo", ["--resume", str(tmp_path / "checkpoint"), "--pipeline.steps", "20"],
+        default_config=EMBEDDED,
+    )  # fmt: skip
+    assert resumed.model == "tiny-random" and resumed.name == "mine"
+    assert resumed.data.eval_questions == 7 and resumed.learner.lr == 3e-5
+    assert resumed.pipeline.steps == 20  # given with --resume: it wins
+    assert resumed.learner.betas == first.learner.betas  # a tuple, back from JSON's list
+    assert resumed.resume == str(tmp_path / "checkpoint")
+    # everything else as the first run had it
+    assert asdict(replace(resumed, resume=None, pipeline=first.pipeline)) == asdict(first)
+
+
+def test_a_checkpoint_without_its_runs_settings_resumes_from_the_flags(tmp_path, capsys):
+    _checkpoint(tmp_path, 2, None)  # as written before runs saved their settings
+    cfg = load_config(_tspo_class(), "tspo", ["--resume", str(tmp_path / "step_000002")],
+                      default_config=EMBEDDED)  # fmt: skip
+    assert "holds no run config" in capsys.readouterr().out
+    assert cfg.data.eval_questions == 120  # the embedded file's, as for a new run
+
+
+def test_a_checkpoint_of_another_pipeline_is_named(tmp_path):
+    _checkpoint(tmp_path, 1, {"run_config": {"no_such_section": {"x": 1}}})
+    with pytest.raises(InputError, match="run config does not fit this pipeline"):
+        load_config(_tspo_class(), "tspo", ["--resume", str(tmp_path)])
+    with pytest.raises(InputError, match="no such folder"):
+        load_config(_tspo_class(), "tspo", ["--resume", str(tmp_path / "nowhere")])
+
+
+def test_evaluations_are_kept_only_when_what_decides_them_is_unchanged(capsys):
+    config = {"model": "m", "data": {"eval_questions": 4}, "generator": {"topk": 1},
+              "retriever": {}, "eval": {}, "warm_start": {}, "learner": {"lr": 1e-5}}  # fmt: skip
+    previous = {"config": config, "eval_before": {"em": 0.5}, "eval_base": {"em": 0.0}}
+    more_steps = {**config, "learner": {"lr": 2e-5}}  # training settings may change
+    assert _kept_evaluations(previous, more_steps) == {
+        "eval_before": {"em": 0.5}, "eval_base": {"em": 0.0}
+    }  # fmt: skip
+    other_data = {**config, "data": {"eval_questions": 8}}
+    assert _kept_evaluations(previous, other_data) == {}
+    assert "changes data" in capsys.readouterr().out
+
+
+class _Run:  # the fields Logger reads of a run config
+    name = "run"
+    wandb = "disabled"
+
+
+def _rows(path: Path) -> list[float]:
+    return [r["pipeline/step"] for r in read_metrics(path)]
+
+
+def test_a_resumed_logger_drops_the_rows_after_the_checkpoint(tmp_path):
+    logger = Logger(_Run(), tmp_path)
+    for step in (1, 2, 3):
+        logger.step({"pipeline/step": step, "train/reward_mean": step / 10}, total=5)
+    logger.finish()
+    with (tmp_path / "metrics.jsonl").open("a") as file:
+        file.write('{"pipeline/step": 4, "train/rew')  # a killed run's last line
+
+    resumed = Logger(_Run(), tmp_path, resumed_step=2)  # its checkpoint was step 2
+    assert [r["pipeline/step"] for r in resumed.rows] == [1, 2]  # the plot's history
+    resumed.step({"pipeline/step": 3, "train/reward_mean": 0.9}, total=5)
+    resumed.finish()
+    assert _rows(tmp_path / "metrics.jsonl") == [1, 2, 3]  # step 3 once: the new one
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["train/reward_mean"] == 0.9
+
+    fresh = Logger(_Run(), tmp_path)  # a new run in the same folder starts afresh
+    fresh.finish()
+    assert _rows(tmp_path / "metrics.jsonl") == []
+
+
+def test_a_damaged_metrics_row_is_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"pipeline/step": 1}\nnot json\n{"pipeline/step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON metrics row"):
+        read_metrics(path)
+    path.write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match="no pipeline/step"):
+        read_metrics(path)
