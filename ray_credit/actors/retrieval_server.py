@@ -89,7 +89,9 @@ class RequestLimits:
                 "(max_body_bytes); split the queries over several requests"
             )
 
-    def check(self, queries: Sequence[str], topk: int) -> None:
+    def check_request(self, queries: Sequence[str], topk: int) -> None:
+        """Raise :class:`LimitExceeded` for a request over a limit. (Not ``check``: config
+        sections' ``check()`` is their cross-field rule, called with no arguments.)"""
         if len(queries) > self.max_queries:
             raise LimitExceeded(
                 f"{len(queries)} queries in one request, over the limit of {self.max_queries} "
@@ -202,7 +204,7 @@ class RetrievalDeployment:
             return JSONResponse({"error": f"the body is not JSON: {err}"}, status_code=400)
         try:
             queries, topk, return_scores = parse_retrieve_request(body)
-            self.limits.check(queries, topk)
+            self.limits.check_request(queries, topk)
             self.batcher.check(queries, topk)
         except LimitExceeded as err:
             self._errors["requests_over_limits"] += 1
@@ -221,6 +223,15 @@ class RetrievalDeployment:
         """Retriever and batcher counters, plus bad_requests, requests_over_limits and
         server_errors."""
         return {**self.retriever.metrics(), **self.batcher.metrics(), **self._errors}
+
+    async def info(self) -> dict[str, Any]:
+        """The index manifest, and the folder it was loaded from or built in
+        (``index_folder``, ``index_loaded``): what ``python -m ray_credit.serve`` reports."""
+        return {
+            **self.retriever.index.manifest,
+            "index_folder": self.retriever.index_folder,
+            "index_loaded": self.retriever.index_loaded,
+        }
 
 
 async def _read_body(request: Any, limits: RequestLimits) -> bytes:
@@ -260,7 +271,10 @@ def serve_retriever(
     (:class:`RequestLimits`). ``max_ongoing_requests`` per replica must
     be large for requests to coalesce (Serve's default, 5, would cap a batch at 5).
     Pass the corpus as a ``.jsonl`` path for anything large: the deployment's arguments
-    are stored by the Serve controller. Remove it with ``serve.delete(name)``.
+    are stored by the Serve controller. ``index_folder`` None: each replica loads the
+    index from its node's shared index cache, or builds it there once (replicas building
+    it together are safe: the save is atomic). Remove it with ``serve.delete(name)``;
+    ``python -m ray_credit.serve`` does all of this from the command line.
     """
     import ray
     from ray import serve

