@@ -19,6 +19,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -55,7 +56,7 @@ TRAINING_SECTIONS = (
 class EvalRun:
     model: str = "smollm2-135m"
     """A checkpoint folder (runs/NAME/checkpoint), an HF id or folder, or an embedded name."""
-    split: str = "heldout"
+    split: Literal["heldout", "all"] = "heldout"
     """'heldout' (the questions a training run with the same data settings holds out) or 'all'."""
     output: str | None = None
     """Write the results here as JSON (None: print only)."""
@@ -74,8 +75,6 @@ class EvalRun:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.split not in ("heldout", "all"):
-            raise ValueError(f"split must be heldout or all, got {self.split!r}")
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(
                 f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"

@@ -3,7 +3,9 @@ file and from the command line.
 
 A pipeline's config is a tree of frozen dataclasses. :func:`parse_config` builds an
 argparse parser with one ``--section.field`` option per leaf (help text = the field's
-docstring, default shown), reads ``--config FILE.yaml`` (a nested mapping of the same
+docstring without its reST markup, default shown; the choices of a ``Literal`` field and
+the length of a fixed tuple in its metavar), one ``--help`` group per section (titled by
+the section's class docstring), reads ``--config FILE.yaml`` (a nested mapping of the same
 shape; ``default_config`` when no ``--config`` is given) and applies, in order: the
 dataclass defaults (or ``defaults``), the YAML file, the command line. ``--help`` shows
 the defaults after the YAML file. An unknown key in the file or a value of the wrong type
@@ -19,6 +21,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import re
 import sys
 import types
 import typing
@@ -96,12 +99,20 @@ def check_fields(config: Any) -> None:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         wanted = _type_mismatch(value, hints[f.name])
-        if wanted is not None:  # a choice outside a Literal's is a bad value, not a type
-            literal = typing.get_origin(hints[f.name]) is typing.Literal
-            raise (ValueError if literal else TypeError)(
-                f"{type(config).__name__}.{f.name} takes {wanted}, got {value!r} "
-                f"({type(value).__name__})"
-            )
+        if wanted is None:
+            continue
+        name = f"{type(config).__name__}.{f.name}"
+        if _choices(hints[f.name]):  # a choice outside a Literal's is a bad value, not a type
+            raise ValueError(f"{name} must be {wanted}, got {value!r}")
+        raise TypeError(f"{name} takes {wanted}, got {value!r} ({type(value).__name__})")
+
+
+def _choices(kind: Any) -> tuple | None:
+    """The values a ``Literal[...]`` (or ``Literal[...] | None``) field takes, else None."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kinds = [a for a in typing.get_args(kind) if a is not type(None)]
+        kind = kinds[0] if len(kinds) == 1 else None
+    return typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
 
 
 def _type_mismatch(value: Any, kind: Any) -> str | None:
@@ -164,6 +175,9 @@ def _convert(value: Any, kind: Any, name: str) -> Any:
         is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
         if is_none and type(None) in args:
             return None
+        choices = _choices(kind)
+        if choices is not None and value not in choices:  # Literal[...] | None
+            raise ValueError(f"{name} must be one of {list(choices)} or none, got {value!r}")
         errors = []
         for arg in args:
             if arg is type(None):
@@ -187,13 +201,9 @@ def _convert(value: Any, kind: Any, name: str) -> Any:
             raise ValueError(f"{name} takes a list, got {value!r}")
         fixed = origin is tuple and args and args[-1] is not Ellipsis
         if fixed and len(items) != len(args):
-            raise ValueError(f"{name} takes {len(args)} values (A,B), got {value!r}")
-        inner = (
-            args[0]
-            if args and args[-1] is not Ellipsis and len(set(args)) == 1
-            else (args[0] if args else str)
-        )
-        out = [_convert(v, inner, name) for v in items]
+            raise ValueError(f"{name} takes {len(args)} values ({_metavar(kind)}), got {value!r}")
+        inner = args if fixed else (args[0] if args else str,) * len(items)
+        out = [_convert(v, a, name) for v, a in zip(items, inner, strict=True)]
         return tuple(out) if origin is tuple else out
     if kind is bool:
         if isinstance(value, bool):
@@ -317,29 +327,34 @@ def parse_config(
     if file is not None:
         base = _apply_yaml(base, file, first, skip_sections)
     parser = argparse.ArgumentParser(
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=None if description is None else _plain(description),
+        formatter_class=_HelpFormatter,
         # not argparse's list of every flag (a hundred lines) above each one-line error
         usage="%(prog)s [-h] [--config FILE.yaml] [--SECTION.FIELD VALUE ...]",
     )
     parser.add_argument(
         "--config",
         type=Path,
+        metavar="FILE.yaml",
         help="a YAML file of settings, nested like the config"
         + (f" (default: {default_config})" if default_config is not None else ""),
     )
+    groups = {  # one per section, a section's before its subsections'; "run": the top level
+        section: parser.add_argument_group(section or "run", summary or None)
+        for section, summary in _sections(cls)
+    }
     for name, kind, _default, doc in _leaves(cls):
         current = base
         for part in name.split("."):
             current = getattr(current, part)
         shown = current if not isinstance(current, tuple) else ",".join(map(str, current))
-        parser.add_argument(
+        groups[name.rpartition(".")[0]].add_argument(
             f"--{name}",
             dest=name,
             default=argparse.SUPPRESS,
             metavar=_metavar(kind),
             # argparse %-formats help text: a literal "%" (as in "30 %") must be doubled
-            help=f"{doc} (default: {shown})".replace("%", "%%"),
+            help=f"{_plain(doc)} (default: {shown})".replace("%", "%%"),
         )
     args = vars(parser.parse_args(_joined_negatives(sys.argv[1:] if argv is None else argv)))
     args.pop("config", None)
@@ -354,6 +369,56 @@ def parse_config(
     except ValueError as err:
         parser.error(str(err))
     return config
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The script's description as written (its examples are laid out by hand), each
+    section's one-line description wrapped to the terminal."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
+def _sections(cls: type, prefix: str = "", doc: str = ""):
+    """(dotted name, one-line description) of the config tree's sections: the tree itself
+    (``""``) first, then every dataclass field, depth first. The description is the first
+    paragraph of the section class's docstring (else of the field's)."""
+    yield prefix.rstrip("."), _summary(cls) or _plain(doc)
+    hints, docs = _hints(cls), field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _sections(hints[f.name], f"{prefix}{f.name}.", docs.get(f.name, ""))
+
+
+def _summary(cls: type) -> str:
+    """The first paragraph of ``cls``'s docstring as one line, or of its nearest base's
+    (a run config that only adds a section has none); "" when none has one."""
+    for klass in cls.__mro__[:-1]:  # not object's
+        doc = klass.__dict__.get("__doc__")
+        # @dataclass gives a class without a docstring its signature as one
+        if doc and not doc.startswith(f"{klass.__name__}("):
+            return _plain(" ".join(inspect.cleandoc(doc).split("\n\n")[0].split()))
+    return ""
+
+
+_ROLE = re.compile(r":(?:\w+:)*\w+:`([^`]+)`")  # :func:`x.y`, :py:class:`~x.Y`, :math:`a`
+_LITERAL = re.compile(r"``(.+?)``")
+
+
+def _plain(text: str) -> str:
+    """Docstring text without its reST inline markup, for ``--help``: a role gives its
+    target (``:func:`a.b``` -> ``a.b``; ``~a.b`` -> ``b``; ``title <a.b>`` -> ``title``),
+    ````x```` gives ``x``."""
+
+    def target(match: re.Match) -> str:
+        role = match.group(1)
+        if role.endswith(">") and "<" in role:
+            return role.rpartition("<")[0].strip()
+        return role[1:].rpartition(".")[2] if role.startswith("~") else role
+
+    return _LITERAL.sub(r"\1", _ROLE.sub(target, text))
 
 
 def _joined_negatives(argv: Sequence[str]) -> list[str]:
@@ -435,11 +500,15 @@ def _unique_keys_loader() -> type:
 
 
 def _metavar(kind: Any) -> str:
-    origin = typing.get_origin(kind)
+    """How ``--help`` shows what a flag takes: ``INT``, ``{a,b}`` (a Literal's choices),
+    ``A,B`` (a pair; ``A,B,...`` for any number), ``...|none`` (None too)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
-        return "|".join(_metavar(a) for a in typing.get_args(kind) if a is not type(None)) + "|none"
+        return "|".join(_metavar(a) for a in args if a is not type(None)) + "|none"
     if origin is typing.Literal:
-        return "{" + ",".join(map(str, typing.get_args(kind))) + "}"
+        return "{" + ",".join(map(str, args)) + "}"
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return ",".join("ABCDEFGHIJKLMNOPQRSTUVWXYZ"[: len(args)])
     if origin in (tuple, list):
         return "A,B,..."
     return getattr(kind, "__name__", "VALUE").upper()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -34,10 +34,15 @@ __all__ = [
     "policy_loss_per_token",
 ]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+AGG_MODES = get_args(AggMode)
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
-_RATIO_LEVELS = ("token", "turn")
+# what kl_penalty takes: an estimator or alias, optionally with "+" (built from the two above)
+KLKind = Literal[tuple(f"{k}{st}" for st in ("", "+") for k in (*KL_ESTIMATORS, *_KL_ALIASES))]
+RatioLevel = Literal["token", "turn"]
 
 
 def _check_shapes(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
@@ -155,9 +160,9 @@ class PolicyLossConfig:
     dual_clip_c: float | None = 3.0
     """Dual-clip bound for negative advantages (loss capped at ``-A * c``); must be > 1; None disables.
     Token level only."""
-    agg_mode: str = "token-mean"
-    """How per-token losses become a scalar; one of :data:`AGG_MODES`."""
-    ratio_level: Literal["token", "turn"] = "token"
+    agg_mode: AggMode = "token-mean"
+    """How per-token losses become a scalar (verl's loss_agg_mode; :func:`ray_credit.losses.agg_loss`)."""
+    ratio_level: RatioLevel = "token"
     """``"token"``: per-token ratios (PPO/GRPO). ``"turn"``: one geometric-mean ratio per turn (A2TGPO)."""
     log_ratio_clamp: float = 20.0
     """Token level: the log-ratio is clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` before exp."""
@@ -177,12 +182,6 @@ class PolicyLossConfig:
         if self.dual_clip_c is not None and not 1.0 < self.dual_clip_c < math.inf:
             raise ValueError(
                 f"dual_clip_c={self.dual_clip_c} must be > 1 (verl uses 3.0); set None to disable."
-            )
-        if self.agg_mode not in AGG_MODES:
-            raise ValueError(f"agg_mode={self.agg_mode!r} is unknown; use one of {AGG_MODES}.")
-        if self.ratio_level not in _RATIO_LEVELS:
-            raise ValueError(
-                f"ratio_level={self.ratio_level!r} is unknown; use one of {_RATIO_LEVELS}."
             )
         if not (0 < self.log_ratio_clamp < math.inf and 0 < self.turn_log_ratio_max < math.inf):
             raise ValueError(

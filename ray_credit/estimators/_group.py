@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +17,8 @@ import pyarrow.compute as pc
 from ray_credit.batch import TrajectoryBatch, bool_values, numeric_view
 from ray_credit.config import check_fields
 
-SINGLETON_POLICIES = ("zero_mean_unit_std", "center")
+SingletonPolicy = Literal["zero_mean_unit_std", "center"]
+SINGLETON_POLICIES = get_args(SingletonPolicy)
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class NormSpec:
     ddof: int = 1
     eps: float = 1e-6
     norm_by_std: bool = True
-    singleton: str = "zero_mean_unit_std"
+    singleton: SingletonPolicy = "zero_mean_unit_std"
     var_eps: float = 0.0
 
     def __post_init__(self) -> None:
@@ -52,7 +54,7 @@ class GRPOKnobs:
     """1: sample std (verl, Search-R1, torch.std); 0: population std."""
     norm_by_std: bool = True
     """False: mean-only centering, A = r - mean (Dr.GRPO)."""
-    singleton_policy: str = "zero_mean_unit_std"
+    singleton_policy: SingletonPolicy = "zero_mean_unit_std"
     """One-member group: "zero_mean_unit_std" (verl, A = r/(1+eps)) or "center" (A = 0)."""
 
     def __post_init__(self) -> None:

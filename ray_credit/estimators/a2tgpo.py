@@ -45,6 +45,7 @@ test vector pins it down.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -61,7 +62,8 @@ from ray_credit.estimators._group import (
 )
 from ray_credit.estimators.igpo import ig_turns, igpo_advantages
 
-NORM_MODES = ("turn_group", "joint", "separate")
+NormMode = Literal["turn_group", "joint", "separate"]
+NORM_MODES = get_args(NormMode)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class A2TGPOConfig:
     """0: population variance (the code); 1: sample variance."""
     var_eps: float = 1e-8
     """Added to the variance inside the square root (the code)."""
-    norm_mode: str = "turn_group"
+    norm_mode: NormMode = "turn_group"
     """"turn_group" (A2TGPO); "joint" / "separate": IGPO's normalization, clip scale 1."""
     official_compat: bool = False
     """True: a turn group is keyed by the IG-turn ordinal, not the turn position."""
@@ -100,8 +102,6 @@ class A2TGPOConfig:
                 f"clip_beta must be in [0, 1) so the clip scale stays > 0, got {self.clip_beta}"
             )
         check_var_eps(self.var_eps)
-        if self.norm_mode not in NORM_MODES:
-            raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {self.norm_mode!r}")
 
     def norm_spec(self) -> NormSpec:
         return NormSpec(ddof=self.std_ddof, eps=self.eps, singleton="center", var_eps=self.var_eps)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from difflib import SequenceMatcher
+from typing import Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -66,7 +67,8 @@ from ray_credit.estimators._group import (
     segments_longest_first,
 )
 
-MODES = ("mean_norm", "mean_std_norm")
+Mode = Literal["mean_norm", "mean_std_norm"]
+MODES = get_args(Mode)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class GiGPOConfig:
     """Discount of the step returns (Eq. 5); run_search.sh uses 0.95."""
     step_weight: float = 1.0
     """omega, the weight of the step (anchor-group) term."""
-    mode: str = "mean_norm"
+    mode: Mode = "mean_norm"
     """"mean_norm": subtract the mean; "mean_std_norm": also divide by std + eps (run_search.sh)."""
     enable_similarity: bool = False
     """Group near-identical anchors (difflib ratio >= similarity_threshold), not only identical ones."""
@@ -99,8 +101,6 @@ class GiGPOConfig:
             raise ValueError(f"gamma is a discount in [0, 1], got {self.gamma}")
         if not 0.0 <= self.step_weight < np.inf:
             raise ValueError(f"step_weight must be a finite number >= 0, got {self.step_weight}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not 0.0 < self.similarity_threshold <= 1.0:
             raise ValueError(
                 f"similarity_threshold must be in (0, 1], got {self.similarity_threshold}"

@@ -26,6 +26,7 @@ from ray_credit.estimators._base import Estimator
 from ray_credit.estimators._group import (
     GRPOKnobs,
     NormSpec,
+    SingletonPolicy,
     broadcast_to_turns,
     check_norm_params,
     grpo_advantage,
@@ -48,7 +49,7 @@ class DrGRPOConfig(GRPOConfig):
 class RLOOConfig:
     """RLOO knobs; defaults reproduce verl's ``compute_rloo_outcome_advantage``."""
 
-    singleton_policy: str = "zero_mean_unit_std"
+    singleton_policy: SingletonPolicy = "zero_mean_unit_std"
     """One-member group: "zero_mean_unit_std" (verl keeps A = r) or "center" (A = 0)."""
 
     def __post_init__(self) -> None:

@@ -44,6 +44,7 @@ across trajectories, which a turn-level batch does not represent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -58,7 +59,8 @@ from ray_credit.estimators._group import (
     reverse_discounted_sum,
 )
 
-NORM_MODES = ("joint", "separate")
+NormMode = Literal["joint", "separate"]
+NORM_MODES = get_args(NormMode)
 IG_MODES = ("prob_diff", "log_prob_diff")
 
 
@@ -68,7 +70,7 @@ class IGPOConfig:
 
     gamma: float = 1.0
     """Discount of the backward accumulation, Eq. (5)."""
-    norm_mode: str = "joint"
+    norm_mode: NormMode = "joint"
     """"joint": IGs and outcomes pooled per group; "separate": each kind on its own."""
     eps: float = 1e-6
     """Added to the std in the denominator."""
@@ -84,8 +86,6 @@ class IGPOConfig:
         check_norm_params(std_ddof=self.std_ddof, eps=self.eps)
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma is a discount in [0, 1], got {self.gamma}")
-        if self.norm_mode not in NORM_MODES:
-            raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {self.norm_mode!r}")
         check_var_eps(self.var_eps)
 
     def norm_spec(self) -> NormSpec:

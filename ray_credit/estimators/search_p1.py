@@ -40,6 +40,7 @@ else in the paper and are not implemented.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -55,7 +56,8 @@ from ray_credit.estimators._group import (
     normalize_by_key,
 )
 
-VARIANTS = ("equations", "algorithm3")
+Variant = Literal["equations", "algorithm3"]
+VARIANTS = get_args(Variant)
 # Evaluator fields and the values each may take (None: a count, any integer >= 0).
 EVALUATOR_FIELDS: dict[str, tuple[float, ...] | None] = {
     "sp1_planner_score": (0.2, 0.6, 1.0, 1.2),
@@ -85,7 +87,7 @@ class SearchP1Config(GRPOKnobs):
     """Weight of the format reward r_f in Eq. (4)."""
     soft_alpha: float = 0.8
     """Eq. (8): weight of r_acc (1 - soft_alpha on r_reason) for a wrong answer."""
-    variant: str = "equations"
+    variant: Variant = "equations"
     """"equations": Eq. (4)-(8); "algorithm3": no efficiency factors, format gate."""
     format_full: float = 0.1
     """r_f for a valid trajectory with a search and an answer (Algorithm 3)."""
@@ -106,8 +108,6 @@ class SearchP1Config(GRPOKnobs):
             )
         if not np.isfinite(self.correct_threshold):
             raise ValueError(f"correct_threshold must be finite, got {self.correct_threshold!r}")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
 
 
 def _evaluator(batch: TrajectoryBatch) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -43,6 +43,7 @@ follows Discussion 1, ``padding="none"`` uses only real turns. Outcomes other th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -55,8 +56,10 @@ from ray_credit.estimators._group import (
     group_stats,
 )
 
-STRATEGIES = ("all_groups", "all_wrong")
-PADDINGS = ("final_reward", "none")
+Strategy = Literal["all_groups", "all_wrong"]
+STRATEGIES = get_args(Strategy)
+Padding = Literal["final_reward", "none"]
+PADDINGS = get_args(Padding)
 
 
 @dataclass(frozen=True)
@@ -65,24 +68,21 @@ class TSPOConfig:
 
     alpha: float = 1.0
     """Partial reward for turns up to the first gold occurrence in a wrong trajectory."""
-    strategy: str = "all_wrong"
+    strategy: Strategy = "all_wrong"
     """"all_wrong": FOLR only in all-wrong groups, GRPO elsewhere; "all_groups": everywhere."""
     eps: float = 1e-6
     """Added to the std in the denominator of Eq. (7)."""
     std_ddof: int = 0
     """0: population std (reproduces the paper's example); 1: sample std."""
-    padding: str = "final_reward"
-    """"final_reward": pad short trajectories with their last turn's reward (Discussion 1)."""
+    padding: Padding = "final_reward"
+    """"final_reward": pad short trajectories with their last turn's reward (Discussion 1);
+    "none": turn statistics over real turns only."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         check_norm_params(std_ddof=self.std_ddof, eps=self.eps)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha is a partial reward in [0, 1] (Eq. 6), got {self.alpha}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.padding not in PADDINGS:
-            raise ValueError(f"padding must be one of {PADDINGS}, got {self.padding!r}")
 
 
 def folr_rewards(

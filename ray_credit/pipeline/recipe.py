@@ -28,12 +28,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from ray_credit.actors.generator import RETRIEVAL_TIMEOUT_S, GeneratorConfig
-from ray_credit.actors.learner import LearnerConfig
+from ray_credit.actors.judge import Backend as JudgeBackend
+from ray_credit.actors.learner import LearnerConfig, Strategy
 from ray_credit.actors.retriever import EncoderConfig, IndexConfig
 from ray_credit.config import check_fields
 from ray_credit.data import WorldConfig
@@ -119,8 +120,9 @@ class RetrieverConfig:
     index: IndexConfig = field(default_factory=IndexConfig)
     """The faiss index."""
     index_folder: str | None = None
-    """Where the index is saved, and loaded from when it is there (None:
-    output_dir/name/index, so a resumed run loads it instead of building it again)."""
+    """Where the index is saved, and loaded from when it is there (None: a shared cache
+    folder keyed by the corpus, encoder and index settings, $RAY_CREDIT_CACHE/indexes/...,
+    so every run, method, seed and resume over them builds it once)."""
     url: str | None = None
     """An existing Search-R1 style /retrieve server (http://host:port/retrieve) to search
     instead of building an index; the corpus then only feeds the judges."""
@@ -140,7 +142,7 @@ class RetrieverConfig:
 class JudgeConfig:
     """The judge pool of CW-GRPO and Search-P1."""
 
-    backend: str = "evidence"
+    backend: JudgeBackend = "evidence"
     """'evidence' (from gold answers and supporting documents, in the stage task), 'hf'
     (a local model on judge actors) or 'openai' (any OpenAI-compatible endpoint)."""
     model: str | None = None
@@ -164,11 +166,7 @@ class JudgeConfig:
     answer in form; off for openai, where it asks for a json_schema response format)."""
 
     def __post_init__(self) -> None:
-        from ray_credit.actors.judge import BACKENDS
-
-        check_fields(self)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"judge.backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_fields(self)  # backend among its choices too
         for name, least in (("batch_size", 1), ("max_concurrency", 1), ("max_retries", 0),
                             ("num_actors", 0)):  # fmt: skip
             if getattr(self, name) < least:
@@ -208,7 +206,7 @@ class ResourcesConfig:
     """Learner replicas (>1: data parallel, strategy below)."""
     learner_cpus: float = 2.0
     """CPUs per learner replica."""
-    learner_strategy: str = "ddp"
+    learner_strategy: Strategy = "ddp"
     """With learner_workers > 1: 'ddp' (a full replica per worker) or 'fsdp' (parameters,
     gradients and optimizer state sharded over the workers)."""
     use_gpu: bool = False
@@ -234,10 +232,7 @@ class ResourcesConfig:
     (cluster.yaml: 'service'; None: none)."""
 
     def __post_init__(self) -> None:
-        from ray_credit.actors.learner_group import check_strategy
-
-        check_fields(self)
-        check_strategy(self.learner_strategy)  # at parse time, not after the actors start
+        check_fields(self)  # learner_strategy among its choices too: at parse time
         for name in ("num_generators", "learner_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"resources.{name} must be >= 1, got {getattr(self, name)}")
@@ -277,7 +272,7 @@ class RunConfig:
     """Outputs go to output_dir/name."""
     resume: str | None = None
     """A checkpoint folder to continue from (output_dir/name/checkpoint)."""
-    wandb: str = "offline"
+    wandb: Literal["offline", "online", "disabled"] = "offline"
     """'offline' (default), 'online' (needs a key: WANDB_API_KEY or `wandb login`) or 'disabled'."""
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
@@ -304,8 +299,6 @@ class RunConfig:
             )
         if not self.model:
             raise ValueError("model must name a model: an embedded name, an HF id or a folder")
-        if self.wandb not in ("offline", "online", "disabled"):
-            raise ValueError(f"wandb must be offline, online or disabled, got {self.wandb!r}")
 
     def check(self) -> None:
         """Checks across sections (run once the whole config is assembled)."""
@@ -535,10 +528,12 @@ def connect(cfg: Any):
     return ray
 
 
-def make_retriever(corpus: Any, cfg: RetrieverConfig, res: ResourcesConfig, index_folder: str):
+def make_retriever(
+    corpus: Any, cfg: RetrieverConfig, res: ResourcesConfig, index_folder: str | None
+):
     """What generators search: a client of the server at ``cfg.url`` (each generator gets
     its own copy), else a retriever actor over ``corpus`` (index saved in / loaded from
-    ``index_folder``)."""
+    ``index_folder``; None: the shared index cache, see ``RetrieverConfig.index_folder``)."""
     if cfg.url:
         from ray_credit.actors.retrieval_server import RemoteRetriever
 
@@ -722,9 +717,7 @@ def train(cfg: Any, estimator: str) -> dict:
     ray = connect(cfg)
     _warn_if_short(ray, cfg, plan)
     print(f"data: {len(train_q)} training questions, {len(eval_q)} held out", flush=True)
-    retriever = make_retriever(
-        corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder or str(out / "index")
-    )
+    retriever = make_retriever(corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder)
     logger = Logger(cfg, out, resumed_step=resumed_step, wandb_id=previous.get("wandb_id"))
     summary: dict[str, Any] = {
         "config": run_config,

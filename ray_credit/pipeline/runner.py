@@ -81,7 +81,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -148,7 +148,7 @@ class PipelineConfig:
     keep_checkpoints: int = 2
     """How many of the newest checkpoints ``checkpoint_dir`` keeps; an older one is deleted
     only once a newer one is whole."""
-    weight_sync: str = "object_store"
+    weight_sync: Literal["object_store", "nccl", "gloo"] = "object_store"
     """How weights reach the generators: 'object_store' (everywhere; survives generator
     restarts), 'nccl' (a broadcast between GPUs) or 'gloo' (the same broadcast on CPUs)."""
     stage_cpus: float = 0.0
@@ -186,10 +186,6 @@ class PipelineConfig:
             raise ValueError(
                 f"generation_timeout_s must be > 0 (None: timeout_s), got "
                 f"{self.generation_timeout_s}"
-            )
-        if self.weight_sync not in ("object_store", "nccl", "gloo"):
-            raise ValueError(
-                f"weight_sync must be 'object_store', 'nccl' or 'gloo', got {self.weight_sync!r}"
             )
         if not 0 <= self.stage_cpus < math.inf:
             raise ValueError(f"stage_cpus must be finite and >= 0, got {self.stage_cpus}")

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 import pyarrow as pa
 
 from ray_credit.batch import ColumnSpec
 from ray_credit.signals._base import Signal
 
-MODES = ("prob_diff", "log_prob_diff")
+Mode = Literal["prob_diff", "log_prob_diff"]
+MODES = get_args(Mode)
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class InfoGain(Signal):
         )
     }
 
-    mode: str = "prob_diff"
+    mode: Mode = "prob_diff"
     """How gold-answer log-probabilities become gains: 'prob_diff' (IGPO) or
     'log_prob_diff' (IGPO's 745078b script, A2TGPO)."""
     max_batch_tokens: int = 16384

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 
-from ray_credit.config import field_docs, parse_config, replace_path
+from ray_credit.config import check_fields, field_docs, parse_config, replace_path
 
 
 @dataclass(frozen=True)
@@ -276,3 +278,164 @@ def test_config_classes_refuse_values_out_of_range():
         with pytest.raises(ValueError, match=message):
             cls(**kwargs)
     assert ResourcesConfig(generator_max_restarts=-1).generator_max_restarts == -1  # Ray's "always"
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Knobs of the test tree.
+
+    A second paragraph, not in --help."""
+
+    mode: Literal["fast", "slow"] = "fast"
+    """How to run: ``"fast"`` or ``"slow"``, see :func:`ray_credit.config.parse_config`."""
+    precision: Literal["bf16", "fp16"] | None = None
+    """Mixed precision (:data:`PRECISIONS`; :class:`~ray_credit.config.InputError`)."""
+    triple: tuple[int, int, int] = (1, 2, 3)
+    """Three sizes."""
+    mixed: tuple[int, str] = (1, "a")
+    """A count and a name."""
+    names: tuple[str, ...] = ("x",)
+    """Any number of names (:meth:`title <a.b.c>`)."""
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """The test tree."""
+
+    name: str = "run"
+    """Run name."""
+    knobs: Knobs = field(default_factory=Knobs)
+    inner: Inner = field(default_factory=Inner)
+
+
+def _help(cls, capsys) -> str:
+    with pytest.raises(SystemExit):
+        parse_config(cls, ["--help"])
+    return capsys.readouterr().out
+
+
+def test_help_groups_flags_by_section_under_the_class_docstring(capsys):
+    text = _help(Tree, capsys)
+    titles = re.findall(r"^(\S+):\n", text, flags=re.M)
+    assert titles == ["options", "run", "knobs", "inner"], titles
+    # the first paragraph of the section class's docstring, then that section's flags only
+    knobs = text.split("\nknobs:\n", 1)[1].split("\ninner:\n", 1)[0]
+    assert knobs.startswith("  Knobs of the test tree.\n\n  --knobs.mode")
+    assert "second paragraph" not in text and "--inner." not in knobs
+    assert "--name" in text.split("\nrun:\n", 1)[1].split("\nknobs:\n")[0]
+    # a section class without a docstring (Inner) gets a bare title, not its signature
+    assert "Inner(" not in text
+
+
+def test_help_shows_choices_and_tuple_arity(capsys):
+    text = " ".join(_help(Tree, capsys).split())
+    assert "--knobs.mode {fast,slow}" in text
+    assert "--knobs.precision {bf16,fp16}|none" in text
+    assert "--inner.betas A,B Adam betas." in text
+    assert "--knobs.triple A,B,C" in text and "--knobs.mixed A,B " in text
+    assert "--knobs.names A,B,... " in text
+
+
+def test_help_has_no_rest_markup(capsys):
+    text = " ".join(_help(Tree, capsys).split())
+    assert 'How to run: "fast" or "slow", see ray_credit.config.parse_config.' in text
+    assert "Mixed precision (PRECISIONS; InputError)." in text  # ~a.B: the last part
+    assert "Any number of names (title)." in text
+    assert "``" not in text and not re.search(r":[a-z]+:`", text)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--knobs.mode", "medium"], r"--knobs.mode: knobs.mode must be one of \['fast', 'slow'\], "
+         r"got 'medium'"),
+        (["--knobs.precision", "int8"], r"--knobs.precision: knobs.precision must be one of "
+         r"\['bf16', 'fp16'\] or none, got 'int8'"),
+        (["--knobs.triple", "1,2"], r"--knobs.triple: knobs.triple takes 3 values \(A,B,C\)"),
+        (["--knobs.mixed", "x,a"], r"knobs.mixed takes an integer, got 'x'"),
+    ],
+)  # fmt: skip
+def test_a_value_outside_the_choices_names_the_flag_and_the_choices(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(Tree, argv)
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_choices_hold_for_yaml_flags_and_constructors_alike(tmp_path, capsys):
+    cfg = parse_config(Tree, ["--knobs.precision", "fp16", "--knobs.mixed", "2,b"])
+    assert cfg.knobs.precision == "fp16" and cfg.knobs.mixed == (2, "b")
+    assert parse_config(Tree, ["--knobs.precision", "none"]).knobs.precision is None
+    file = tmp_path / "c.yaml"
+    file.write_text("knobs: {mode: medium}\n")
+    with pytest.raises(SystemExit):
+        parse_config(Tree, ["--config", str(file)])
+    err = capsys.readouterr().err
+    assert f"--config {file}: knobs.mode must be one of ['fast', 'slow'], got 'medium'" in err
+    with pytest.raises(ValueError, match=r"Knobs.mode must be one of \['fast', 'slow'\], got 'x'"):
+        Knobs(mode="x")
+    with pytest.raises(
+        ValueError, match=r"Knobs.precision must be one of \['bf16', 'fp16'\] or None"
+    ):
+        Knobs(precision="int8")
+    with pytest.raises(TypeError, match="Knobs.triple takes 3 values"):
+        Knobs(triple=(1, 2))
+
+
+# Every setting of the pipelines whose values are a fixed set, with its choices in --help.
+ENUMERATED = {
+    "wandb": "{offline,online,disabled}",
+    "generator.action_style": "{tags,tool_call}",
+    "generator.reward": "{em,subem,f1}",
+    "generator.backend": "{transformers,vllm}",
+    "generator.dtype": "{float32,bfloat16,float16,auto}",
+    "learner.lr_schedule": "{constant,linear,cosine}",
+    "learner.kl_kind": "{k1,abs,k2,k3,kl,mse,low_var_kl,k1+,abs+,k2+,k3+,kl+,mse+,low_var_kl+}",
+    "learner.off_policy": "{none,tis,decoupled}",
+    "learner.dtype": "{float32,bfloat16,float16,auto}",
+    "learner.autocast": "{bfloat16,float16}|none",
+    "learner.loss.agg_mode": "{token-mean,seq-mean-token-sum,seq-mean-token-mean,"
+    "seq-mean-token-sum-norm}",
+    "learner.loss.ratio_level": "{token,turn}",
+    "pipeline.weight_sync": "{object_store,nccl,gloo}",
+    "resources.learner_strategy": "{ddp,fsdp}",
+    "warm_start.autocast": "{bfloat16,float16}|none",
+    "judge.backend": "{evidence,hf,openai}",
+}
+
+
+def test_every_enumerated_pipeline_setting_shows_its_choices():
+    from ray_credit.config import _leaves, _metavar
+    from ray_credit.pipeline.recipe import JudgeConfig, RunConfig
+
+    metavars = {name: _metavar(kind) for name, kind, _d, _doc in _leaves(RunConfig)}
+    metavars |= {f"judge.{n}": _metavar(k) for n, k, _d, _doc in _leaves(JudgeConfig)}
+    assert {name: metavars[name] for name in ENUMERATED} == ENUMERATED
+    assert metavars["learner.betas"] == "A,B"
+
+
+def test_the_module_constants_are_the_literals_choices():
+    """One list per setting: the constants the code checks with are the fields' choices."""
+    from ray_credit.actors import generator, judge, learner
+    from ray_credit.config import _hints
+    from ray_credit.estimators import _group, tspo
+    from ray_credit.losses import AGG_MODES, PolicyLossConfig
+    from ray_credit.models import DTYPES
+    from ray_credit.pipeline.recipe import JudgeConfig
+
+    pairs = [
+        (AGG_MODES, PolicyLossConfig, "agg_mode"),
+        (DTYPES, learner.LearnerConfig, "dtype"),
+        (DTYPES, generator.GeneratorConfig, "dtype"),
+        (learner.OFF_POLICY, learner.LearnerConfig, "off_policy"),
+        (generator.BACKENDS, generator.GeneratorConfig, "backend"),
+        (tuple(generator._REWARDS), generator.GeneratorConfig, "reward"),
+        (judge.BACKENDS, JudgeConfig, "backend"),
+        (_group.SINGLETON_POLICIES, _group.GRPOKnobs, "singleton_policy"),
+        (tspo.PADDINGS, tspo.TSPOConfig, "padding"),
+    ]
+    for constant, cls, name in pairs:
+        assert typing.get_args(_hints(cls)[name]) == constant, (cls, name)

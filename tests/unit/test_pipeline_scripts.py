@@ -35,11 +35,30 @@ def test_help_and_bad_flags():
         )  # fmt: skip
         assert out.returncode == 0 and "--data.questions" in out.stdout, script
         assert "--generator.backend" in out.stdout and "--generator.vllm.kv_cache_gb" in out.stdout
+        # one group per section, titled and described by its config class; choices shown
+        assert "\ngenerator:\n  How rollouts are generated" in out.stdout, script
+        assert "\ngenerator.vllm:\n  vLLM engine settings of a generator" in out.stdout
+        assert "--generator.backend {transformers,vllm}" in out.stdout
+        # docstrings without their reST markup
+        markup = re.findall(r"``|:(?:func|data|class|meth|mod|attr|math):`", out.stdout)
+        assert markup == [], (script, markup)
+        if script != "eval.py":
+            assert "--learner.off_policy {none,tis,decoupled}" in out.stdout
+            assert "--learner.betas A,B " in out.stdout
+            assert "\nlearner.loss:\n  Settings of the clipped policy-gradient loss." in out.stdout
     bad = subprocess.run(
         [sys.executable, str(ROOT / "pipelines" / "tspo.py"), "--pipeline.steps", "zero"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "--pipeline.steps" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "pipelines" / "tspo.py"), "--learner.off_policy", "ppo"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.endswith(
+        "--learner.off_policy: learner.off_policy must be one of ['none', 'tis', 'decoupled'], "
+        "got 'ppo'\n"
+    ), bad.stderr
 
 
 def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
