@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ray_credit.config import InputError, InputFileNotFoundError
 
@@ -61,8 +61,15 @@ _CHATML = (
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+DTYPES = get_args(Dtype)
 """The dtypes a model can be loaded in."""
+Autocast = Literal["bfloat16", "float16"]
+"""The dtypes ``torch.autocast`` may run a model's matmuls in (None: off)."""
+AttnImplementation = Literal[
+    "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"
+]
+"""Attention kernels transformers can run a model with (``attn_implementation``)."""
 
 
 def cache_dir() -> Path:
@@ -128,6 +135,7 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     seed: int = 0,
+    attn_implementation: AttnImplementation | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode on ``device``.
 
@@ -137,6 +145,7 @@ def load_model(
             or ``"auto"`` (the checkpoint's own).
         device: a torch device string.
         seed: the weights' seed for ``"tiny-random"`` (ignored otherwise).
+        attn_implementation: the attention kernel (None: transformers' default).
 
     Raises:
         TypeError: ``name_or_path`` is not a str or path.
@@ -156,6 +165,16 @@ def load_model(
         model = _auto_model(folder, torch_dtype)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if attn_implementation is not None:
+        if attn_implementation not in get_args(AttnImplementation):
+            raise ValueError(
+                f"attn_implementation {attn_implementation!r} is not one of "
+                f"{get_args(AttnImplementation)}"
+            )
+        try:  # transformers says what is missing (flash-attn, a GPU) for the kernel
+            model.set_attn_implementation(attn_implementation)
+        except (ImportError, ValueError) as err:
+            raise ValueError(f"attn_implementation={attn_implementation!r}: {err}") from None
     return model.to(device).eval(), tokenizer
 
 

@@ -43,20 +43,32 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
+from ray_credit.actors.lora import (
+    LoraConfig,
+    adapter_state_dict,
+    apply_lora,
+    base_view,
+    merged_state_dict,
+)
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
-from ray_credit.losses import KL_ESTIMATORS, PolicyLossConfig
-from ray_credit.models import load_model, model_dtype
+from ray_credit.losses import KLKind, PolicyLossConfig
+from ray_credit.models import AttnImplementation, Autocast, Dtype, load_model
 
 __all__ = ["Learner", "LearnerConfig"]
 
-OFF_POLICY = ("none", "tis", "decoupled")
-LR_SCHEDULES = ("constant", "linear", "cosine")
+OffPolicy = Literal["none", "tis", "decoupled"]
+OFF_POLICY = get_args(OffPolicy)
+LRSchedule = Literal["constant", "linear", "cosine"]
+LR_SCHEDULES = get_args(LRSchedule)
+Strategy = Literal["ddp", "fsdp"]
+"""How several learner workers split the work (``resources.learner_strategy``)."""
 _STATE_FILE = "learner_state.pt"
+_ADAPTER_FILE = "adapter.safetensors"  # LoRA: the trained adapters, for resume
 _STATE_KEYS = frozenset(
     (
         "optimizer",
@@ -83,7 +95,7 @@ class LearnerConfig:
     """AdamW betas."""
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up from 0 to ``lr``."""
-    lr_schedule: str = "constant"
+    lr_schedule: LRSchedule = "constant"
     """After warm-up: ``"constant"``, or ``"linear"`` / ``"cosine"`` decay to
     ``min_lr_ratio * lr`` at ``total_steps`` (which these two need)."""
     total_steps: int | None = None
@@ -106,12 +118,15 @@ class LearnerConfig:
     kl_coef: float = 0.0
     """Weight of the KL to the frozen initial policy; 0 turns the reference model off (it
     is then never loaded)."""
-    kl_kind: str = "k3"
-    """KL estimator (:func:`ray_credit.losses.kl_penalty`)."""
+    kl_kind: KLKind = "k3"
+    """KL estimator (:func:`ray_credit.losses.kl_penalty`): k1 (alias kl), abs, k2 (mse) or
+    k3 (low_var_kl); a trailing + takes k2's gradient with the named one's value."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (the entropy is reported either way)."""
-    off_policy: str = "none"
-    """``"none"``, ``"tis"`` or ``"decoupled"`` (module docstring)."""
+    off_policy: OffPolicy = "none"
+    """Off-policy correction: ``"none"`` (the ratio against the behavior logprobs),
+    ``"tis"`` (truncated importance weights) or ``"decoupled"`` (AReaL's decoupled PPO);
+    details in the docstring of :mod:`ray_credit.actors.learner`."""
     is_cap: float = 2.0
     """Importance-weight cap of ``"tis"`` (truncation) and ``"decoupled"`` (exclusion)."""
     temperature: float = 1.0
@@ -120,7 +135,7 @@ class LearnerConfig:
     behavior logprobs are of the tempered distribution). Greedy generation: 1."""
     seed: int = 0
     """Seed of the mini-batch shuffling."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """The dtype the policy and the frozen reference are held in: ``"float32"`` (exact
     logprobs, the default on CPUs), ``"bfloat16"`` (GPUs), ``"float16"`` or ``"auto"`` (the
     checkpoint's own), as :func:`ray_credit.models.load_model` takes it."""
@@ -132,17 +147,26 @@ class LearnerConfig:
     rounding, ~30 % less work at G=8 with a prompt a third of each row. Micro-batches are
     then formed group by group. Single-worker learners only (DDP and FSDP wrap one
     forward per backward); with more workers rows are run whole."""
-    autocast: str | None = None
+    autocast: Autocast | None = None
     """Mixed precision: ``"bfloat16"`` (or ``"float16"``) runs the forward and backward
     matmuls in that dtype under ``torch.autocast`` while weights, gradients and optimizer
     state stay in ``dtype`` (float32 master weights). None: off. On CPUs with bf16
     instructions (avx512_bf16, AMX) it is ~2x faster; log-probs then differ from a
     float32 generator's by bf16 rounding, which shows in ``learner/ratio_*``."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of
+    keeping them: about a third more compute, for activation memory that no longer grows
+    with the number of layers (long contexts, billions of parameters on one GPU). Not
+    with share_prefix (the shared prefix's keys and values would be dropped)."""
+    attn_implementation: AttnImplementation | None = None
+    """The attention kernel: 'sdpa' (PyTorch's fused attention), 'eager', 'flash_attention_2'
+    (needs flash-attn and a GPU), ...; None: transformers' default for the model."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (peft) instead of full fine-tuning: the optimizer holds only the
+    adapters; generators, the scorer and checkpoints get the merged weights."""
 
     def __post_init__(self) -> None:
         check_fields(self)  # types first: the checks below compare numbers
-        model_dtype(self.dtype)  # raises ValueError naming the dtypes it knows
-        check_autocast(self.autocast)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature must be a positive finite number (the generator's; greedy: 1), "
@@ -150,8 +174,6 @@ class LearnerConfig:
             )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.lr_schedule != "constant" and (self.total_steps is None or self.total_steps < 1):
             raise ValueError(
                 f"lr_schedule={self.lr_schedule!r} decays to total_steps; set total_steps >= 1"
@@ -173,10 +195,11 @@ class LearnerConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not all(0 <= beta < 1 for beta in self.betas):
             raise ValueError(f"betas must each lie in [0, 1) (AdamW's), got {self.betas}")
-        if self.kl_kind.removesuffix("+") not in (*KL_ESTIMATORS, "kl", "mse", "low_var_kl"):
-            raise ValueError(f"kl_kind={self.kl_kind!r} is not a KL estimator; use {KL_ESTIMATORS}")
-        if self.off_policy not in OFF_POLICY:
-            raise ValueError(f"off_policy must be one of {OFF_POLICY}, got {self.off_policy!r}")
+        if self.gradient_checkpointing and self.share_prefix:
+            raise ValueError(
+                "gradient_checkpointing recomputes each block without the shared prefix's "
+                "keys and values that share_prefix passes it; set share_prefix false with it"
+            )
         if not 1.0 < self.is_cap < math.inf:
             raise ValueError(f"is_cap must be a finite number > 1 (e.g. 2.0), got {self.is_cap}")
 
@@ -224,15 +247,25 @@ class Learner:
         pair = (
             model
             if isinstance(model, tuple)
-            else load_model(model, dtype=self.config.dtype, device=device)
+            else load_model(
+                model,
+                dtype=self.config.dtype,
+                device=device,
+                attn_implementation=self.config.attn_implementation,
+            )
         )
         self.model, self.tokenizer = pair
         self.model.eval()  # no dropout: the learner's logprobs are the sampler's
         self.world = world or DataParallel()
         self.reference = None
-        if self.config.kl_coef > 0:  # copied before wrapping: the initial policy, whole
+        lora = self.config.lora
+        if self.config.kl_coef > 0 and not lora.enabled:  # copied before wrapping: whole
             reference = copy.deepcopy(self.model).eval().requires_grad_(False)
             self.reference = self.world.wrap_frozen(reference)
+        if lora.enabled:  # the reference is then the base: the model, adapters off
+            self.model = apply_lora(self.model, lora)
+        if self.config.gradient_checkpointing:
+            _checkpoint_activations(self.model)
         self.train_model = self.world.wrap(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -259,11 +292,18 @@ class Learner:
         return next(self.model.parameters()).device
 
     def get_weights(self) -> dict[str, Any]:
-        """The policy's full state dict as CPU tensors (what generators and scorers load).
+        """The policy's full state dict as CPU tensors (what generators and scorers load;
+        with LoRA, the merged weights under the base model's names).
 
         Under FSDP every rank must call it (the shards are gathered); rank 0 gets the
         weights, the others an empty dict."""
-        return self.world.full_state_dict(self.model)
+        return self._published(self.world.full_state_dict(self.model))
+
+    def _published(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What others load of a full state dict: the merged weights under LoRA."""
+        if not state or not self.config.lora.enabled:
+            return state
+        return merged_state_dict(state, self.config.lora)
 
     # --------------------------------------------------- collective weight sync
     def open_weight_group(
@@ -284,7 +324,8 @@ class Learner:
         """Names, shapes and dtypes of the published weights, in broadcast order."""
         from ray_credit.pipeline.collective import manifest_of
 
-        return manifest_of(self.model.state_dict())  # global shapes, also under FSDP
+        state = self.model.state_dict()  # global shapes, also under FSDP
+        return manifest_of(base_view(state) if self.config.lora.enabled else state)
 
     def join_weight_group(self, address: str, manifest: list) -> None:
         """Rank 0 joins as the sender (blocks until every generator has joined)."""
@@ -368,6 +409,9 @@ class Learner:
             data["proximal"] = self._logprobs_no_grad(self.model, data, lengths, needed)
         if self.reference is not None:
             data["reference"] = self._logprobs_no_grad(self.reference, data, lengths, needed)
+        elif self._kl_to_base:  # LoRA: the initial policy is the model with adapters off
+            with self.model.disable_adapter():
+                data["reference"] = self._logprobs_no_grad(self.model, data, lengths, needed)
 
         totals: dict[str, float] = {}
         for rows in schedule:
@@ -474,7 +518,7 @@ class Learner:
                 )
                 loss = (per_token * w).sum()
                 kl = None
-                if self.reference is not None:
+                if "reference" in data:
                     kl = kl_penalty(
                         logp, data["reference"][index, sl].to(self.device), config.kl_kind
                     )
@@ -579,6 +623,11 @@ class Learner:
         return micro_batches(lengths, self.config.micro_batch_tokens, keys=keys)
 
     @property
+    def _kl_to_base(self) -> bool:
+        """A KL to the initial policy, which under LoRA is the model with adapters off."""
+        return self.config.kl_coef > 0 and self.config.lora.enabled
+
+    @property
     def _sharing(self) -> bool:
         return self.config.share_prefix and self.world.size == 1
 
@@ -643,8 +692,17 @@ class Learner:
         if self.world.rank != 0:
             return folder
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder / "model", state_dict=weights, safe_serialization=True)
+        lora = self.config.lora.enabled
+        base = self.model.get_base_model() if lora else self.model
+        base.save_pretrained(  # under LoRA the merged weights: a plain HF / vLLM folder
+            folder / "model", state_dict=self._published(weights), safe_serialization=True
+        )
         self.tokenizer.save_pretrained(folder / "model")
+        if lora:  # what resume loads over the base model (never the merged weights)
+            from safetensors.torch import save_file
+
+            adapters = adapter_state_dict(weights)
+            save_file({k: v.contiguous() for k, v in adapters.items()}, folder / _ADAPTER_FILE)
         state = {
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
@@ -682,13 +740,16 @@ class Learner:
         mismatched = {
             k: (saved.get(k), v)
             for k, v in asdict(self.config).items()
-            if k in ("kl_coef", "off_policy", "mini_batches", "epochs") and saved.get(k) != v
+            if k in ("kl_coef", "off_policy", "mini_batches", "epochs", "lora")
+            and saved.get(k) != v
         }
         if mismatched:
             raise ValueError(
                 f"{path} was written with a different learner config {mismatched} "
                 "(saved, current); resume with the same settings"
             )
+        if self.config.lora.enabled:
+            self._load_adapters(Path(folder) / _ADAPTER_FILE)
         self.world.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.policy_version = int(state["policy_version"])
@@ -699,6 +760,45 @@ class Learner:
         random.setstate(state["rng"]["python"])
         if self.reference is not None and state["reference"] is not None:
             self.world.load_state_dict(self.reference, state["reference"])
+
+    def _load_adapters(self, path: Path) -> None:
+        """The LoRA adapters :meth:`save` wrote, over this learner's base model."""
+        from safetensors.torch import load_file  # tensors only: nothing to unpickle
+
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist: the checkpoint was saved without LoRA adapters; "
+                "resume with the learner.lora settings it was written with"
+            )
+        adapters = load_file(str(path))
+        expected = set(adapter_state_dict(self.model.state_dict()))
+        if set(adapters) != expected:
+            raise ValueError(
+                f"{path} holds adapters for other layers than this learner's "
+                f"({len(set(adapters) - expected)} unknown, {len(expected - set(adapters))} "
+                "missing); resume with the learner.lora settings it was written with"
+            )
+        self.world.load_state_dict(self.model, adapters, strict=False)
+
+
+def _checkpoint_activations(model: Any) -> None:
+    """Recompute each block's activations in the backward pass (transformers' gradient
+    checkpointing). It acts in training mode only, so the model is put in it with every
+    dropout at 0: the learner's log-probs stay the sampler's."""
+    import torch
+
+    if not getattr(model, "supports_gradient_checkpointing", True):
+        raise ValueError(
+            f"{type(model).__name__} does not support gradient checkpointing; set "
+            "learner.gradient_checkpointing false"
+        )
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
 
 
 def _read_state(path: Path) -> dict[str, Any]:
@@ -779,8 +879,9 @@ def _prompt_keys(input_ids, mask) -> np.ndarray:
 
 def check_autocast(dtype: str | None) -> None:
     """Raise ValueError unless ``dtype`` is an autocast setting :func:`autocast` takes."""
-    if dtype not in (None, "bfloat16", "float16"):
-        raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {dtype!r}")
+    if dtype is not None and dtype not in get_args(Autocast):
+        choices = " or ".join(map(repr, get_args(Autocast)))
+        raise ValueError(f"autocast must be None, {choices}, got {dtype!r}")
 
 
 def autocast(device: Any, dtype: str | None):
@@ -838,8 +939,8 @@ class DataParallel:
     def load_optimizer_state(self, model, optimizer, state) -> None:
         optimizer.load_state_dict(state)
 
-    def load_state_dict(self, model, state) -> None:
-        model.load_state_dict(state)
+    def load_state_dict(self, model, state, strict: bool = True) -> None:
+        model.load_state_dict(state, strict=strict)
 
     def all_reduce_sum(self, values: Mapping[str, float]) -> dict[str, float]:
         return dict(values)
@@ -948,10 +1049,10 @@ class TorchFSDP(TorchDistributed):
 
         set_optimizer_state_dict(model, optimizer, state, options=self._options())
 
-    def load_state_dict(self, model, state) -> None:
+    def load_state_dict(self, model, state, strict: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(model, state, options=self._options())
+        set_model_state_dict(model, state, options=self._options(strict=strict))
 
 
 class _FSDPNoSync:

@@ -44,13 +44,19 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_credit.actors.learner import Learner, LearnerConfig, TorchDistributed, TorchFSDP
+from ray_credit.actors.learner import (
+    Learner,
+    LearnerConfig,
+    Strategy,
+    TorchDistributed,
+    TorchFSDP,
+)
 from ray_credit.batch import TrajectoryBatch
 
 __all__ = ["LearnerCall", "LearnerGroup", "LearnerWorkerError", "check_strategy"]
@@ -62,8 +68,9 @@ class LearnerWorkerError(RuntimeError):
 
 def check_strategy(strategy: str) -> None:
     """Raise unless ``strategy`` is one :class:`LearnerGroup` knows."""
-    if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"learner strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if strategy not in get_args(Strategy):
+        choices = " or ".join(map(repr, get_args(Strategy)))
+        raise ValueError(f"learner strategy must be {choices}, got {strategy!r}")
 
 
 @dataclass(frozen=True)
@@ -176,7 +183,8 @@ class LearnerGroup:
         self._placement_group: PlacementGroup | None = None
         if resume_from is not None:
             resume_from = str(Path(resume_from).absolute())  # the workers' cwd may differ
-            model = f"{resume_from}/model"
+            if not self.config.lora.enabled:  # LoRA: the base model, adapters loaded over it
+                model = f"{resume_from}/model"
         try:
             self._placement_group = _reserve(bundle, num_workers, timeout_s=timeout_s, name=name)
             self._workers = self._start_workers(bundle)
