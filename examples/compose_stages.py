@@ -2,7 +2,7 @@
 ahead of a learner, a judge, a user-written stage and an estimator.
 
     python examples/compose_stages.py                         # tiny-random, under a minute
-    python examples/compose_stages.py --model smollm2-135m --steps 4
+    python examples/compose_stages.py --model smollm2-135m --pipeline.steps 4
     RAY_ADDRESS=auto python examples/compose_stages.py        # on a running cluster
 
 The stage list is plain Python: any ``batch -> batch`` function goes in. Here a user
@@ -12,8 +12,8 @@ the shape) and counts what it did in the batch's metrics, which the loop reports
 
 from __future__ import annotations
 
-import argparse
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -23,8 +23,26 @@ from ray_credit.actors.generator import GeneratorConfig, make_generator_actor
 from ray_credit.actors.learner import LearnerConfig
 from ray_credit.actors.learner_group import LearnerGroup
 from ray_credit.actors.retriever import make_retriever_actor
+from ray_credit.config import parse_config
 from ray_credit.data import WorldConfig, make_world
 from ray_credit.pipeline import Pipeline, PipelineConfig, estimator_stage
+
+
+@dataclass(frozen=True)
+class PipelineFlags:
+    """How long the loop runs (a pipeline's --pipeline.* of the same name)."""
+
+    steps: int = 3
+    """Learner updates, each on 4 questions x G=4 trajectories."""
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What this example trains."""
+
+    model: str = "tiny-random"
+    """Policy: an embedded name, an HF id or a folder."""
+    pipeline: PipelineFlags = field(default_factory=PipelineFlags)
 
 
 def no_search_no_credit(batch: TrajectoryBatch) -> TrajectoryBatch:
@@ -40,10 +58,7 @@ def no_search_no_credit(batch: TrajectoryBatch) -> TrajectoryBatch:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="tiny-random")
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_config(Flags, description=__doc__)  # --help: every flag, its default
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
     else:
@@ -72,7 +87,7 @@ def main() -> None:
         learner,
         world.questions,
         stages,
-        PipelineConfig(steps=args.steps, groups_per_step=4, max_staleness=1),
+        PipelineConfig(steps=args.pipeline.steps, groups_per_step=4, max_staleness=1),
         on_step=lambda m: print(
             f"step {m['pipeline/step']:.0f}: reward {m['train/reward_mean']:.3f}, "
             f"staleness<={m['staleness/max']:.0f}, judged {m.get('judge/requests', 0):.0f} turns, "

@@ -3,8 +3,8 @@
 Nothing in ray_credit is edited: the estimator is a frozen config dataclass plus a pure
 function, wrapped in an `Estimator` and registered at run time. Run it with
 
-    python examples/custom_estimator.py                  # on a random batch
-    python examples/custom_estimator.py --train 2        # and in a 2-step training run
+    python examples/custom_estimator.py                     # on a random batch
+    python examples/custom_estimator.py --pipeline.steps 2  # and in a 2-step training run
 
 The example estimator, "discounted_grpo", gives each turn the GRPO advantage of its
 trajectory scaled by gamma ** (turns remaining), so early turns of a long trajectory get
@@ -13,7 +13,6 @@ less credit than the answer turn.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ray_credit import Estimator, TrajectoryBatch, get_estimator, register_estimator
+from ray_credit.config import parse_config
 from ray_credit.testing import random_batch
 
 
@@ -89,10 +89,21 @@ def train_with_it(steps: int) -> None:
     )
 
 
+@dataclass(frozen=True)
+class PipelineFlags:
+    """The training run (a pipeline's --pipeline.* of the same name)."""
+
+    steps: int = 0
+    """Learner updates of a training run with the estimator (0: no run, the batch only)."""
+
+
+@dataclass(frozen=True)
+class Flags:
+    pipeline: PipelineFlags = field(default_factory=PipelineFlags)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--train", type=int, default=0, metavar="STEPS")
-    args = parser.parse_args()
+    args = parse_config(Flags, description=__doc__)  # --help: every flag, its default
     batch = random_batch(0, num_groups=4, group_size=4, max_turns=4)
     out = get_estimator("discounted_grpo")(batch, gamma=0.5)  # by name, like any built-in
     for row in out.select(range(4)).to_records():
@@ -103,8 +114,8 @@ def main() -> None:
             [round(a, 3) for a in row["turn_advantages"]],
         )
     print({k: round(v, 4) for k, v in out.metrics.items()})
-    if args.train:
-        train_with_it(args.train)
+    if args.pipeline.steps:
+        train_with_it(args.pipeline.steps)
 
 
 if __name__ == "__main__":

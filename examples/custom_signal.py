@@ -5,8 +5,8 @@ shape of its reply, its parser and an evidence rule); the estimator names it in 
 declaration, and the pipeline builds the stage that fills it on every chunk:
 
     python examples/custom_signal.py                     # the signal on a hand-made batch
-    python examples/custom_signal.py --train 2           # and a 2-step training run
-    python examples/custom_signal.py --train 2 --judge hf   # judged by a local model
+    python examples/custom_signal.py --pipeline.steps 2  # and a 2-step training run
+    python examples/custom_signal.py --pipeline.steps 2 --judge.backend hf  # a local judge
 
 The signal, "answer_grounded": is the trajectory's final answer stated in a document it
 retrieved? The estimator, "grounded_grpo": GRPO on the outcome plus a bonus for grounded
@@ -15,12 +15,11 @@ answers. (Made-up rules, to show the shape.)
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
 
@@ -34,6 +33,7 @@ from ray_credit import (
 )
 from ray_credit.actors.judge import JudgePool
 from ray_credit.batch import ColumnSpec
+from ray_credit.config import parse_config
 from ray_credit.pipeline.recipe import JudgeConfig, RunConfig, load_config, train
 from ray_credit.qa import contains_gold
 from ray_credit.signals import Choice, Request
@@ -168,11 +168,30 @@ def train_with_it(steps: int, judge: str) -> None:
     )
 
 
+@dataclass(frozen=True)
+class PipelineFlags:
+    """The training run (a pipeline's --pipeline.* of the same name)."""
+
+    steps: int = 0
+    """Learner updates of a training run with the estimator (0: no run, the batch only)."""
+
+
+@dataclass(frozen=True)
+class JudgeFlags:
+    """Who judges answer_grounded in the training run (a pipeline's --judge.*)."""
+
+    backend: Literal["evidence", "hf"] = "evidence"
+    """'evidence' (the signal's rule) or 'hf' (a local tiny-random model on a judge actor)."""
+
+
+@dataclass(frozen=True)
+class Flags:
+    pipeline: PipelineFlags = field(default_factory=PipelineFlags)
+    judge: JudgeFlags = field(default_factory=JudgeFlags)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--train", type=int, default=0, metavar="STEPS")
-    parser.add_argument("--judge", choices=("evidence", "hf"), default="evidence")
-    args = parser.parse_args()
+    args = parse_config(Flags, description=__doc__)  # --help: every flag, its default
     turn = {"text": "<search> seal </search>", "action": "search", "policy_version": 0}
     records = [
         {
@@ -196,8 +215,8 @@ def main() -> None:
         "turn advantages:",
         [[round(a, 3) for a in r] for r in out.column("turn_advantages").to_pylist()],
     )
-    if args.train:
-        train_with_it(args.train, args.judge)
+    if args.pipeline.steps:
+        train_with_it(args.pipeline.steps, args.judge.backend)
 
 
 if __name__ == "__main__":

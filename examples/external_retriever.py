@@ -1,27 +1,27 @@
 """Train against a retrieval server you already run (Search-R1's `retrieval_server.py`,
 or anything answering its `/retrieve` JSON) instead of building an index here.
 
-    python examples/external_retriever.py --url http://127.0.0.1:8000/retrieve
+    python examples/external_retriever.py --retriever.url http://127.0.0.1:8000/retrieve
     python examples/external_retriever.py            # starts a stand-in server first
 
 The generators get a `RemoteRetriever` (each actor its own client: timeouts, retries
 with backoff, counters) and search the server; nothing is encoded or indexed in the
 job. The same switch on every pipeline: `python pipelines/tspo.py --retriever.url URL`.
 
-Without --url, a stand-in plays the existing server: a plain `http.server` (no Ray)
-answering `/retrieve` over the synthetic world's corpus, the way a server from another
-project would.
+Without --retriever.url, a stand-in plays the existing server: a plain `http.server`
+(no Ray) answering `/retrieve` over the synthetic world's corpus, the way a server from
+another project would.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import threading
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Literal
 
 from ray_credit.actors.retrieval_server import (
     RemoteRetriever,
@@ -29,6 +29,7 @@ from ray_credit.actors.retrieval_server import (
     retrieve_response,
 )
 from ray_credit.actors.retriever import Retriever
+from ray_credit.config import parse_config
 from ray_credit.data import make_world
 from ray_credit.estimators.tspo import TSPOConfig
 from ray_credit.pipeline.recipe import RunConfig, load_config, train
@@ -78,41 +79,69 @@ def start_stand_in_server(world_config) -> str:
     return f"http://127.0.0.1:{server.server_port}/retrieve"
 
 
+@dataclass(frozen=True)
+class RetrieverFlags:
+    """What the generators search (a pipeline's --retriever.* of the same name)."""
+
+    url: str | None = None
+    """An existing /retrieve endpoint (None: a stand-in server started here)."""
+
+
+@dataclass(frozen=True)
+class GeneratorFlags:
+    """The generators (a pipeline's --generator.* of the same name)."""
+
+    backend: Literal["vllm", "transformers"] = "vllm"
+    """The sampler: the embedded settings' vllm; transformers starts in a second on a tiny
+    model."""
+
+
+@dataclass(frozen=True)
+class PipelineFlags:
+    """The training run (a pipeline's --pipeline.* of the same name)."""
+
+    steps: int = 2
+    """Learner updates."""
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The run's policy and outputs (the pipelines' flags of the same names)."""
+
+    model: str = "smollm2-135m"
+    """Policy: an embedded name, an HF id or a folder."""
+    output_dir: str | None = None
+    """Where the run's outputs go (None: a temp folder, removed at the end)."""
+    retriever: RetrieverFlags = field(default_factory=RetrieverFlags)
+    generator: GeneratorFlags = field(default_factory=GeneratorFlags)
+    pipeline: PipelineFlags = field(default_factory=PipelineFlags)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--url", help="an existing /retrieve endpoint (default: a stand-in)")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument(
-        "--backend", choices=("vllm", "transformers"), default="vllm",
-        help="the generators' sampler (the embedded settings' vllm; transformers starts "
-        "in a second on a tiny model)",
-    )  # fmt: skip
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--output-dir", help="where the run's outputs go (default: a temp "
-                        "folder, removed at the end)")  # fmt: skip
-    args = parser.parse_args()
+    args = parse_config(Flags, description=__doc__)  # --help: every flag, its default
 
     # TSPO's pipeline on the embedded settings, pointed at the server.
     out = None if args.output_dir else tempfile.TemporaryDirectory(prefix="external_retriever_")
-    flags = {
+    tspo_flags = {
         "--name": "external-retriever",
         "--model": args.model,
-        "--generator.backend": args.backend,
+        "--retriever.url": args.retriever.url,  # checked as the pipeline checks it
+        "--generator.backend": args.generator.backend,
         "--output_dir": args.output_dir or out.name,
         "--wandb": "disabled",
         "--data.eval_questions": 4,
-        "--pipeline.steps": args.steps,
+        "--pipeline.steps": args.pipeline.steps,
         "--pipeline.groups_per_step": 2,
         "--resources.learner_cpus": 1,
         "--resources.eval_cpus": 1,
         # the embedded warm-start fine-tunes SmolLM2 for minutes first; not what this shows
         "--warm_start.enabled": "false",
     }
-    argv = [str(x) for item in flags.items() for x in item]
+    argv = [str(x) for item in tspo_flags.items() for x in item]
     cfg = load_config(
         TSPORun, "tspo", argv, default_config=ROOT / "pipelines/configs/embedded.yaml"
     )
-    url = args.url or start_stand_in_server(cfg.data.world)
+    url = cfg.retriever.url or start_stand_in_server(cfg.data.world)
     with RemoteRetriever(url) as probe:  # what the generators will see
         top = probe.search(["Who founded the oldest city?"], 2)[0]
         print(f"server {url}: top hit {top[0]['title']!r} ({top[0]['score']:.3f})")
@@ -127,7 +156,7 @@ def main() -> None:
         f"{last['gen/searches']:.0f} searches in the last step, "
         f"EM {summary['eval_before']['em']:.3f} -> {summary['eval_after']['em']:.3f}"
     )
-    if not args.url:
+    if not args.retriever.url:
         print(f"the stand-in server answered {QUERIES_SERVED[0]} queries")
 
 

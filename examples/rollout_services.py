@@ -14,8 +14,8 @@ registered estimator.
 
 from __future__ import annotations
 
-import argparse
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -24,19 +24,33 @@ from ray_credit import ESTIMATORS, JudgePool
 from ray_credit.actors.generator import GeneratorConfig, make_generator_actor
 from ray_credit.actors.retriever import make_retriever_actor
 from ray_credit.actors.scorer import make_scorer_actor
+from ray_credit.config import parse_config
 from ray_credit.data import WorldConfig, make_world
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="smollm2-135m", help="embedded name, HF id or folder")
-    parser.add_argument("--questions", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    args = parser.parse_args()
+@dataclass(frozen=True)
+class GeneratorFlags:
+    """The generator's settings (a pipeline's --generator.* of the same names)."""
 
+    group_size: int = 4
+    """G: trajectories sampled per question."""
+    max_new_tokens: int = 48
+    """Sampled tokens per turn."""
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What this example rolls out."""
+
+    model: str = "smollm2-135m"
+    """Policy (and the info-gain scorer's model): an embedded name, an HF id or a folder."""
+    questions: int = 2
+    """Questions of the synthetic world rolled out (G trajectories each)."""
+    generator: GeneratorFlags = field(default_factory=GeneratorFlags)
+
+
+def main() -> None:
+    args = parse_config(Flags, description=__doc__)  # --help: every flag, its default
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
     else:
@@ -54,9 +68,9 @@ def main() -> None:
 
     # 2. The generator, against the retriever actor; the batch stays in the object store.
     config = GeneratorConfig(
-        group_size=args.group_size,
+        group_size=args.generator.group_size,
         max_turns=3,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.generator.max_new_tokens,
         prompt_template="search_tags_fewshot",
         response_prefix="<search>",
     )

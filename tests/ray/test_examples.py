@@ -33,13 +33,13 @@ def test_rollout_services_example(ray_cluster):
 
 
 def test_compose_stages_example(ray_cluster):
-    stdout = run_example(ray_cluster, "compose_stages.py", "--steps", "2")
+    stdout = run_example(ray_cluster, "compose_stages.py", "--pipeline.steps", "2")
     assert "step 2: reward" in stdout and "no-search trajectories" in stdout
     assert "trained groups 0..7, policy version 2" in stdout
 
 
 def test_external_retriever_example(ray_cluster):
-    stdout = run_example(ray_cluster, "external_retriever.py", "--steps", "1")
+    stdout = run_example(ray_cluster, "external_retriever.py", "--pipeline.steps", "1")
     assert "/retrieve: top hit" in stdout
     assert "trained 1 steps against the external retriever" in stdout
     served = int(stdout.split("the stand-in server answered ")[1].split()[0])
@@ -47,18 +47,20 @@ def test_external_retriever_example(ray_cluster):
 
 
 def test_custom_estimator_example_trains_with_it(ray_cluster):
-    stdout = run_example(ray_cluster, "custom_estimator.py", "--train", "2")
+    stdout = run_example(ray_cluster, "custom_estimator.py", "--pipeline.steps", "2")
     assert "trained 2 steps with discounted_grpo: mean discount" in stdout
 
 
 def test_custom_signal_example_trains_with_it(ray_cluster):
     """A user's judged signal and estimator, registered at run time: the pipeline built
     from the estimator's declaration fills the signal on every chunk."""
-    stdout = run_example(ray_cluster, "custom_signal.py", "--train", "2")
+    stdout = run_example(ray_cluster, "custom_signal.py", "--pipeline.steps", "2")
     assert "answer_grounded: [1, 0]" in stdout
     line = stdout.split("trained 2 steps with grounded_grpo (evidence judge): ")[1]
     judged = int(line.split()[0])
     assert judged == 8  # 2 groups x G=4 trajectories, each judged or counted
-    stdout = run_example(ray_cluster, "custom_signal.py", "--train", "1", "--judge", "hf")
+    stdout = run_example(
+        ray_cluster, "custom_signal.py", "--pipeline.steps", "1", "--judge.backend", "hf"
+    )
     line = stdout.split("trained 1 steps with grounded_grpo (hf judge): ")[1]
     assert "0 unjudged" in line or "unjudged" in line
