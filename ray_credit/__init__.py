@@ -28,6 +28,7 @@ _LAZY = {
     "JudgePool": "ray_credit.actors.judge",
     "make_scorer_actor": "ray_credit.actors.scorer",
     "load_model": "ray_credit.models",
+    "StoragePath": "ray_credit.storage",
 }
 
 __all__ = [

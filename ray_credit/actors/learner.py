@@ -58,6 +58,7 @@ from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
 from ray_credit.losses import KLKind, PolicyLossConfig
 from ray_credit.models import AttnImplementation, Autocast, Dtype, load_model
+from ray_credit.storage import StoragePath
 
 __all__ = ["Learner", "LearnerConfig"]
 
@@ -673,9 +674,11 @@ class Learner:
         return out * data["mask"]
 
     # ------------------------------------------------------------------- checkpoint
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path | StoragePath) -> StoragePath:
         """Model (+ tokenizer) in HF format under ``folder/model``; optimizer, scheduler,
-        RNG states and counters in ``folder/learner_state.pt``.
+        RNG states and counters in ``folder/learner_state.pt``. ``folder``: a path or a URI
+        (:class:`~ray_credit.storage.StoragePath`; to an object store, rank 0 writes in a
+        local temporary folder and uploads it).
 
         The state file holds only tensors, numbers, strings, None and dicts, lists and
         tuples of them (the RNG states too: numpy's is a dict of ints, Python's a tuple),
@@ -683,26 +686,16 @@ class Learner:
         never runs code from the file."""
         import torch
 
-        folder = Path(folder)
+        target = StoragePath(folder)
         weights = self.world.full_state_dict(self.model)  # collective under FSDP
         optimizer = self.world.optimizer_state(self.model, self.optimizer)
         reference = (
             self.world.full_state_dict(self.reference) if self.reference is not None else None
         )
         if self.world.rank != 0:
-            return folder
-        folder.mkdir(parents=True, exist_ok=True)
+            return target
         lora = self.config.lora.enabled
         base = self.model.get_base_model() if lora else self.model
-        base.save_pretrained(  # under LoRA the merged weights: a plain HF / vLLM folder
-            folder / "model", state_dict=self._published(weights), safe_serialization=True
-        )
-        self.tokenizer.save_pretrained(folder / "model")
-        if lora:  # what resume loads over the base model (never the merged weights)
-            from safetensors.torch import save_file
-
-            adapters = adapter_state_dict(weights)
-            save_file({k: v.contiguous() for k, v in adapters.items()}, folder / _ADAPTER_FILE)
         state = {
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
@@ -717,12 +710,23 @@ class Learner:
             },
             "reference": reference,
         }
-        torch.save(state, folder / _STATE_FILE)
-        return folder
+        with target.staged_directory() as local:
+            base.save_pretrained(  # under LoRA the merged weights: a plain HF / vLLM folder
+                local / "model", state_dict=self._published(weights), safe_serialization=True
+            )
+            self.tokenizer.save_pretrained(local / "model")
+            if lora:  # what resume loads over the base model (never the merged weights)
+                from safetensors.torch import save_file
 
-    def load_state(self, folder: str | Path) -> None:
+                adapters = adapter_state_dict(weights)
+                save_file({k: v.contiguous() for k, v in adapters.items()}, local / _ADAPTER_FILE)
+            torch.save(state, local / _STATE_FILE)
+        return target
+
+    def load_state(self, folder: str | Path | StoragePath) -> None:
         """Restore what :meth:`save` wrote (the model itself is loaded from ``folder/model``
-        by the constructor: ``Learner(f"{folder}/model", config)``).
+        by the constructor: ``Learner(f"{folder}/model", config)``). ``folder``: a path or a
+        URI (downloaded first).
 
         Raises:
             FileNotFoundError: ``folder`` has no state file.
@@ -730,11 +734,18 @@ class Learner:
                 other than tensors and plain containers (refused unread: unpickling them
                 could run code), or was written with a different config.
         """
+        source = StoragePath(folder)
+        if not (source / _STATE_FILE).is_file():
+            raise FileNotFoundError(
+                f"{source / _STATE_FILE} does not exist: not a learner checkpoint folder"
+            )
+        with source.as_directory() as local:
+            self._load_state(local)
+
+    def _load_state(self, folder: Path) -> None:
         import torch
 
-        path = Path(folder) / _STATE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: not a learner checkpoint folder")
+        path = folder / _STATE_FILE
         state = _read_state(path)
         saved = state["config"]
         mismatched = {
@@ -749,7 +760,7 @@ class Learner:
                 "(saved, current); resume with the same settings"
             )
         if self.config.lora.enabled:
-            self._load_adapters(Path(folder) / _ADAPTER_FILE)
+            self._load_adapters(folder / _ADAPTER_FILE)
         self.world.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.policy_version = int(state["policy_version"])

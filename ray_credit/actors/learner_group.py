@@ -43,7 +43,6 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, get_args
 
 import ray
@@ -58,6 +57,7 @@ from ray_credit.actors.learner import (
     TorchFSDP,
 )
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.storage import StoragePath
 
 __all__ = ["LearnerCall", "LearnerGroup", "LearnerWorkerError", "check_strategy"]
 
@@ -146,7 +146,8 @@ class LearnerGroup:
         resources_per_worker: what each worker reserves, e.g. ``{"CPU": 2}`` (default one
             CPU), with custom resources to pin learner nodes; a ``"GPU"`` entry must be 1
             with ``use_gpu`` (and absent without).
-        resume_from: a folder written by :meth:`save`: the model is loaded from its
+        resume_from: a folder written by :meth:`save` (a path or a URI; each worker
+            downloads it when it is not on its filesystem): the model is loaded from its
             ``model/`` folder (instead of ``model``), the rest of the state from it.
         timeout_s: the longest that starting the group, or any blocking command, may take
             (also the process group's timeout for one collective).
@@ -181,10 +182,8 @@ class LearnerGroup:
         self._settle_task = ray.remote(num_cpus=0, max_retries=0)(_settle)
         self._workers: list[Any] = []
         self._placement_group: PlacementGroup | None = None
-        if resume_from is not None:
-            resume_from = str(Path(resume_from).absolute())  # the workers' cwd may differ
-            if not self.config.lora.enabled:  # LoRA: the base model, adapters loaded over it
-                model = f"{resume_from}/model"
+        if resume_from is not None:  # absolute here: the workers' cwd may differ
+            resume_from = StoragePath(resume_from)
         try:
             self._placement_group = _reserve(bundle, num_workers, timeout_s=timeout_s, name=name)
             self._workers = self._start_workers(bundle)
@@ -250,10 +249,11 @@ class LearnerGroup:
         value, so a rank that fails during an FSDP gather fails it too."""
         return self._call("get_weights").refs[0]
 
-    def save(self, folder: str | os.PathLike[str]) -> str:
-        """Model, optimizer, scheduler, RNG states and counters under ``folder`` (every
-        rank takes part, rank 0 writes); returns the folder as an absolute path."""
-        folder = str(Path(folder).absolute())  # the workers' cwd may differ
+    def save(self, folder: str | os.PathLike[str] | StoragePath) -> str:
+        """Model, optimizer, scheduler, RNG states and counters under ``folder``, a path
+        or a URI (every rank takes part, rank 0 writes wherever it runs); returns the
+        folder as an absolute path or URI."""
+        folder = StoragePath(folder)  # absolute here: the workers' cwd may differ
         return str(self._call("save", folder).result(self.timeout_s))
 
     # ------------------------------------------------------ collective weight sync
@@ -400,10 +400,11 @@ class _LearnerWorker(Learner):
         *,
         strategy: str,
         placements: list[_Placement],
-        resume_from: str | None,
+        resume_from: StoragePath | None,
         timeout_s: float,
     ) -> None:
-        """Join the process group (more than one rank), build the Learner, resume."""
+        """Join the process group (more than one rank), build the Learner, resume (from a
+        local copy of ``resume_from``: Hugging Face loads a model from a local folder)."""
         device = _claim_device(placements, self._rank)
         world = None
         if self._world_size > 1:
@@ -415,9 +416,14 @@ class _LearnerWorker(Learner):
                 timeout_s=timeout_s,
             )
             world = TorchFSDP() if strategy == "fsdp" else TorchDistributed()
-        super().__init__(model, config, device=device, world=world)
-        if resume_from is not None:
-            self.load_state(resume_from)
+        if resume_from is None:
+            super().__init__(model, config, device=device, world=world)
+            return
+        with resume_from.as_directory() as local:
+            if not config.lora.enabled:  # LoRA: the base model, adapters loaded over it
+                model = str(local / "model")
+            super().__init__(model, config, device=device, world=world)
+            self.load_state(local)
 
     def train_chunks(self, *chunks: TrajectoryBatch) -> dict[str, float]:
         """One update on the chunks as one batch (Ray fetched them into this process)."""

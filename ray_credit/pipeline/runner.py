@@ -67,7 +67,8 @@ calls' wall-clock intervals intersected).
 
 Checkpoints. :meth:`Pipeline.save` writes the learner (model, optimizer, scheduler, RNG,
 version) and ``pipeline.json`` (step, seed, data cursor) with every generated chunk not
-trained yet (Arrow IPC, written by a task on the driver's node, with its summary).
+trained yet (Arrow IPC, written by a task on the driver's node, with its summary), each by
+absolute path or URI into ``checkpoint_dir`` (:mod:`ray_credit.pipeline.checkpointing`).
 :meth:`Pipeline.run` resumed from it stages those chunks again and regenerates only the
 chunks that were in flight, so no group is lost or trained twice.
 """
@@ -80,13 +81,22 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.pipeline.checkpointing import (
+    LEARNER_DIR,
+    STATE_FILE,
+    begin_save,
+    checkpoint_state,
+    checkpoints,
+    end_save,
+    resolve_checkpoint,
+)
 from ray_credit.pipeline.report import chunk_report, staleness_of, step_metrics
+from ray_credit.storage import StoragePath
 
 __all__ = [
     "Pipeline",
@@ -99,7 +109,6 @@ __all__ = [
     "resolve_checkpoint",
 ]
 
-_STATE_FILE = "pipeline.json"
 _BUFFER_DIR = "buffer"
 _QUEUE_DEPTH = 2
 """Chunks in flight per generator: the next is queued behind the one running, so a
@@ -142,9 +151,10 @@ class PipelineConfig:
     checkpoint_every: int = 0
     """Save every this many steps into ``checkpoint_dir`` (0: only at the end)."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go (None: no checkpoints): one folder per saved step,
-    ``step_000012``, each whole before it gets its name. Resuming from this folder takes
-    the newest."""
+    """Where checkpoints go (None: no checkpoints): a path (made absolute on the driver; on
+    a cluster, one every node sees) or a URI such as ``s3://bucket/runs/NAME/checkpoint``.
+    One folder per saved step, ``step_000012``, a checkpoint once its ``pipeline.json``
+    is written, last. Resuming from this folder takes the newest."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints ``checkpoint_dir`` keeps; an older one is deleted
     only once a newer one is whole."""
@@ -288,16 +298,22 @@ def _run_stages(stages: Sequence[Callable], batches: Sequence[Any]) -> tuple[Any
     return batch, {**chunk_report(batch, seconds), "interval": (started_at, time.time())}
 
 
-def _write_chunk(path: str, batches: Sequence[Any]) -> int:
+def _write_chunk(location: StoragePath, batches: Sequence[Any]) -> int:
     import ray
 
     data = ray.get(batches[0]).to_ipc()
-    Path(path).write_bytes(data.to_pybytes())
+    location.write_bytes(data)
     return data.size
 
 
-def _read_chunk(path: str) -> TrajectoryBatch:
-    return TrajectoryBatch.from_ipc(Path(path).read_bytes())
+def _read_chunk(location: StoragePath) -> TrajectoryBatch:
+    return TrajectoryBatch.from_ipc(location.read_bytes())
+
+
+def _buffered(checkpoint: StoragePath, chunk: _Chunk, suffix: str) -> StoragePath:
+    """A buffered chunk's file in a checkpoint: its batch (``.arrow``, Arrow IPC) or its
+    summary (``.json``)."""
+    return checkpoint / _BUFFER_DIR / f"{chunk.start:09d}_{chunk.size}{suffix}"
 
 
 @dataclass
@@ -354,8 +370,8 @@ class Pipeline:
         step_stages: callables run once per step on the step's chunks together, after
             ``stages`` (an estimator whose statistics span groups).
         weight_targets: more actors to publish weights to (an info-gain scorer).
-        resume_from: a checkpoint folder written by :meth:`save` (the learner must have
-            been built from the same folder: ``LearnerGroup(resume_from=...)``).
+        resume_from: a checkpoint folder written by :meth:`save`, a path or a URI (the
+            learner must have been built from the same folder: ``LearnerGroup(resume_from=...)``).
         on_step: called with each step's metrics dict (progress display, loggers).
         metadata: a JSON-able dict saved with every checkpoint (``pipeline.json``'s
             ``metadata``; :func:`checkpoint_state` reads it back): what a caller needs
@@ -455,7 +471,7 @@ class Pipeline:
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[int] = []  # stream indices trained, in order (for checks)
         if resume_from is not None:
-            self._restore(Path(resume_from))
+            self._restore(resume_from)
         if self.version > 0:  # resumed: generators start from the base weights
             self._publish()
 
@@ -913,31 +929,28 @@ class Pipeline:
                     self._recover(i)
 
     # ----------------------------------------------------------------- checkpoints
-    def save(self, folder: str | os.PathLike) -> Path:
+    def save(self, folder: str | os.PathLike | StoragePath) -> StoragePath:
         """Learner state, data cursor and every generated chunk not trained yet, in
         ``folder/step_NNNNNN`` (called between steps: the learner is idle); then only the
-        newest ``keep_checkpoints`` are kept. Returns the step's folder."""
+        newest ``keep_checkpoints`` are kept. ``folder``: a path (made absolute here, so
+        workers in other working directories write to the same place) or a URI (see
+        :mod:`ray_credit.pipeline.checkpointing`). Returns the step's folder."""
         import ray
 
-        root = Path(folder).resolve()  # workers' working directories may differ
-        folder = root / f"step_{self.step:06d}"
-        tmp = folder.with_name(folder.name + ".tmp")
-        if tmp.exists():
-            _rmtree(tmp)
-        (tmp / _BUFFER_DIR).mkdir(parents=True)
-        self.learner.save(str(tmp / "learner"))
+        root = StoragePath(folder)
+        staging = begin_save(root, self.step)
+        self.learner.save(staging / LEARNER_DIR)  # rank 0 writes (uploads) its part there
         done = [c for c in self._chunks.values() if c.summary is not None]
-        here = _on_this_node()
-        writes = [
-            ray.remote(_write_chunk)
-            .options(num_cpus=0, scheduling_strategy=here)
-            .remote(str(tmp / _BUFFER_DIR / f"{c.start:09d}_{c.size}.arrow"), [c.batch])
-            for c in done
-        ]
-        ray.get(writes, timeout=self.config.timeout_s)
-        for c in done:
-            summary = {**c.summary, "oldest_versions": list(c.summary["oldest_versions"].items())}
-            (tmp / _BUFFER_DIR / f"{c.start:09d}_{c.size}.json").write_text(json.dumps(summary))
+        if done:  # the batches are written by tasks: the driver never holds one
+            write = ray.remote(_write_chunk).options(
+                num_cpus=0, scheduling_strategy=_on_this_node()
+            )
+            writes = [write.remote(_buffered(staging, c, ".arrow"), [c.batch]) for c in done]
+            ray.get(writes, timeout=self.config.timeout_s)
+            for c in done:
+                oldest = list(c.summary["oldest_versions"].items())
+                summary = json.dumps({**c.summary, "oldest_versions": oldest})
+                _buffered(staging, c, ".json").write_text(summary)
         state = {
             "format": 2,
             "step": self.step,
@@ -949,37 +962,14 @@ class Pipeline:
             "config": asdict(self.config),
             "metadata": self.metadata,
         }
-        (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
-        old = folder.with_name(folder.name + ".old")  # until the new one is in place
-        if old.exists():
-            _rmtree(old)
-        if folder.exists():  # the same step saved again (a periodic save, then the last)
-            folder.rename(old)
-        tmp.rename(folder)
-        if old.exists():
-            _rmtree(old)
-        for _, stale in checkpoints(root)[: -self.config.keep_checkpoints]:
-            _rmtree(stale)
-        for leftover in [*root.glob("step_*.tmp"), *root.glob("step_*.old")]:
-            _rmtree(leftover)  # what a save cut off earlier left: never picked up
-        return folder
+        return end_save(root, self.step, state, keep=self.config.keep_checkpoints)
 
-    def _restore(self, folder: Path) -> None:
+    def _restore(self, folder: str | os.PathLike | StoragePath) -> None:
         import ray
 
         folder = resolve_checkpoint(folder)
-        path = folder / _STATE_FILE
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{folder} is not a pipeline checkpoint (no {_STATE_FILE}); pass the folder "
-                "a run wrote with checkpoint_dir"
-            )
-        try:
-            state = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"{path} is corrupt ({err}); resume from an intact checkpoint"
-            ) from err
+        state = checkpoint_state(folder)
+        path = folder / STATE_FILE
         if state.get("format") != 2:
             raise ValueError(
                 f"{path} has checkpoint format {state.get('format')}, this version reads 2; "
@@ -1000,27 +990,27 @@ class Pipeline:
         if state["policy_version"] != self.version:
             raise ValueError(
                 f"checkpoint {folder} is at policy version {state['policy_version']} but the "
-                f"learner is at {self.version}: build the learner with resume_from={folder}/learner"
+                f"learner is at {self.version}: build the learner with resume_from={folder}/"
+                f"{LEARNER_DIR}"
             )
         self.step = int(state["step"])
         self.trained_groups = list(range(self.step * cfg.groups_per_step))
         self._next = self.step * cfg.groups_per_step
-        here = _on_this_node()
-        folder = folder.resolve()
+        read = ray.remote(_read_chunk).options(num_cpus=0, scheduling_strategy=_on_this_node())
         for start, size in state["buffered"]:
-            stem = folder / _BUFFER_DIR / f"{start:09d}_{size}"
+            chunk = _Chunk(start, size)
+            summary_file = _buffered(folder, chunk, ".json")
             try:
-                summary = json.loads(stem.with_suffix(".json").read_text())
+                summary = json.loads(summary_file.read_text())
             except (OSError, json.JSONDecodeError) as err:
                 raise ValueError(
-                    f"buffered chunk summary {stem}.json is unreadable: {err}"
+                    f"buffered chunk summary {summary_file} is unreadable: {err}"
                 ) from err
             summary["oldest_versions"] = {int(v): n for v, n in summary["oldest_versions"]}
-            if not stem.with_suffix(".arrow").is_file():
-                raise ValueError(f"buffered trajectories {stem}.arrow are missing")
-            read = ray.remote(_read_chunk).options(num_cpus=0, scheduling_strategy=here)
-            chunk = _Chunk(start, size, batch=read.remote(str(stem.with_suffix(".arrow"))))
-            chunk.summary = summary
+            batch_file = _buffered(folder, chunk, ".arrow")
+            if not batch_file.is_file():
+                raise ValueError(f"buffered trajectories {batch_file} are missing")
+            chunk.batch, chunk.summary = read.remote(batch_file), summary
             self._chunks[start] = chunk
 
 
@@ -1035,57 +1025,3 @@ def _on_this_node() -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
-def checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
-    """The whole checkpoints in ``folder`` (a ``checkpoint_dir``), oldest first, as
-    ``(step, path)``: its ``step_NNNNNN`` folders. A save writes ``step_NNNNNN.tmp`` and
-    renames it once everything is in it, so a folder with the name is whole."""
-    found = []
-    for path in Path(folder).glob("step_*"):
-        step = path.name[len("step_") :]
-        if step.isdigit() and (path / _STATE_FILE).is_file():
-            found.append((int(step), path))
-    return sorted(found)
-
-
-def checkpoint_state(folder: str | os.PathLike) -> dict[str, Any]:
-    """What :meth:`Pipeline.save` wrote to ``pipeline.json`` in the checkpoint ``folder``
-    resolves to (:func:`resolve_checkpoint`): ``step``, ``policy_version``, ``config`` and
-    the caller's ``metadata`` ({} when it saved none), among others."""
-    path = resolve_checkpoint(folder) / _STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(
-            f"{path} is not readable JSON ({err}); resume from an intact checkpoint"
-        ) from None
-    if not isinstance(state, dict):
-        raise ValueError(f"{path} is not a pipeline checkpoint's state (a JSON object)")
-    state.setdefault("metadata", {})
-    return state
-
-
-def resolve_checkpoint(folder: str | os.PathLike) -> Path:
-    """The checkpoint to resume from: the newest whole one in ``folder`` (a
-    ``checkpoint_dir``), else ``folder`` itself when it is one (a step's folder, or a
-    checkpoint written before they were kept per step). FileNotFoundError names the
-    folder when it holds none."""
-    path = Path(folder)
-    found = checkpoints(path)
-    if not found and (path / _STATE_FILE).is_file():
-        return path
-    if not found:
-        cut = sorted(p.name for p in path.glob("step_*.tmp"))
-        note = f" (only {', '.join(cut)}: a save cut off before it finished)" if cut else ""
-        raise FileNotFoundError(
-            f"{path} holds no checkpoint{note}: a checkpoint folder has {_STATE_FILE}, and a "
-            "run's checkpoint_dir has step_NNNNNN folders that do"
-        )
-    return found[-1][1]
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path)

@@ -5,6 +5,7 @@ chunk with the driver holding refs only, resume."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import replace
 
@@ -155,6 +156,58 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path)
             PipelineConfig(groups_per_step=2),
             resume_from=tmp_path / "ckpt",
         )
+    learner.shutdown()
+
+
+def _chdir(actor, folder):
+    os.chdir(folder)
+    return os.getcwd()
+
+
+def test_a_relative_checkpoint_dir_is_the_drivers_whatever_the_workers_cwd(
+    ray_cluster, world, retriever, tmp_path, monkeypatch
+):
+    """The driver names checkpoint_dir relative to its own working directory; the learner
+    ranks (moved to another one) and the chunk-writing tasks write their parts there by
+    absolute path, and a run resumed from the step-1 checkpoint (named relative too)
+    trains every group once, to the same final step."""
+    driver, elsewhere = tmp_path / "driver", tmp_path / "worker"
+    driver.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(driver)
+    config = PipelineConfig(
+        steps=2, groups_per_step=4, chunk_groups=2, max_staleness=1, checkpoint_every=1,
+        checkpoint_dir="ckpt",
+    )  # fmt: skip
+    generators, learner = _parts(retriever)
+    moved = [w.__ray_call__.remote(_chdir, str(elsewhere)) for w in learner._workers]
+    assert ray_cluster.get(moved) == [str(elsewhere)]
+    first = Pipeline(generators, learner, world.questions[:10], [estimator_stage("grpo")], config)
+    first.run()
+    learner.shutdown()
+    assert [step for step, _ in checkpoints(driver / "ckpt")] == [1, 2]
+    assert not (elsewhere / "ckpt").exists()
+    saved = driver / "ckpt" / "step_000001"
+    assert (saved / "learner" / "learner_state.pt").is_file()
+    assert (saved / "learner" / "model" / "config.json").is_file()
+    state = json.loads((saved / "pipeline.json").read_text())
+    for start, size in state["buffered"]:  # step 2's chunks generated before the save
+        assert (saved / "buffer" / f"{start:09d}_{size}.arrow").is_file()
+
+    generators, learner = _parts(retriever, resume_from="ckpt/step_000001")
+    resumed = Pipeline(
+        generators,
+        learner,
+        world.questions[:10],
+        [estimator_stage("grpo")],
+        config,
+        resume_from="ckpt/step_000001",
+    )
+    assert resumed.step == 1 and sorted(resumed._chunks) == [s for s, _ in state["buffered"]]
+    history = resumed.run()
+    assert len(history) == 1 and resumed.step == 2
+    assert resumed.trained_groups == list(range(8))
+    assert learner.policy_version == 2
     learner.shutdown()
 
 

@@ -214,6 +214,24 @@ def test_checkpoint_resumes_the_same_trajectory_of_updates(batch, tmp_path):
         resumed.load_state(tmp_path)
 
 
+def test_a_checkpoint_on_an_object_store_is_uploaded_and_read_back(batch):
+    """To a location with no local path (pyarrow's in-memory mock:// filesystem standing in
+    for s3://), the learner writes in a temporary folder and uploads it; loading downloads."""
+    from ray_credit.storage import StoragePath
+
+    learner = _learner()
+    learner.train(batch)
+    saved = learner.save(StoragePath("mock:///bucket/run/learner"))
+    assert (saved / "model" / "config.json").is_file() and (saved / "learner_state.pt").is_file()
+    with saved.as_directory() as local:
+        resumed = Learner(str(local / "model"), LearnerConfig(lr=1e-3))
+    resumed.load_state(saved)
+    assert resumed.policy_version == 1 and _max_diff(_weights(learner), _weights(resumed)) == 0
+    learner.train(batch)
+    resumed.train(batch)
+    assert _max_diff(_weights(learner), _weights(resumed)) < 1e-6
+
+
 class _Planted:
     """Unpickling it creates ``path``: what a crafted checkpoint could do instead."""
 
