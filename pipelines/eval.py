@@ -26,6 +26,7 @@ import numpy as np
 from ray_credit.actors.generator import GeneratorConfig
 from ray_credit.config import InputError, check_fields
 from ray_credit.estimators import ESTIMATORS  # noqa: E402
+from ray_credit.log import LogLevel, setup_logging
 from ray_credit.pipeline import checkpoints
 from ray_credit.pipeline.recipe import (
     DataConfig,
@@ -46,7 +47,7 @@ from ray_credit.signals import SIGNALS  # noqa: E402
 # What a training run's YAML file may hold that evaluation does not use.
 TRAINING_SECTIONS = (
     *("name", "output_dir", "resume", "wandb", "learner", "pipeline", "eval", "judge"),
-    "warm_start",
+    *("storage_path", "warm_start"),
     *ESTIMATORS,
     *SIGNALS,
 )
@@ -72,6 +73,8 @@ class EvalRun:
     """Longest wait for one generator's share of the questions."""
     seed: int = 0
     """The training run's pipeline.seed (it decides which questions are held out)."""
+    log_level: LogLevel = "info"
+    """What it prints: 'info', 'warning', 'error' or 'debug' (the libraries' logs too)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -125,6 +128,7 @@ def main(argv=None) -> dict:
         default_config=Path(__file__).parent / "configs/embedded.yaml",
         skip_sections=TRAINING_SECTIONS,
     )
+    setup_logging(cfg.log_level)
     greedy = replace(cfg.generator, temperature=0.0, group_size=1)
     # everything a user handed us is checked before Ray starts, and refused in one line
     earlier = read_before(cfg.before) if cfg.before else None

@@ -24,13 +24,13 @@ import fcntl
 import importlib.util
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ray_credit.config import InputError, InputFileNotFoundError
+from ray_credit.log import log
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -354,11 +354,9 @@ def _smollm2_folder(*, weights: bool) -> Path:
 def _convert(folder: Path, gguf: Path, done: Path, *, part: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(
+    log.info(
         f"ray_credit: converting SmolLM2-135M-Instruct {part} from {gguf.name} into {folder} "
         "(once; later loads read the cache)",
-        file=sys.stderr,
-        flush=True,
     )
     start = time.perf_counter()
     scratch = folder.with_name(f".{folder.name}.{part}.{os.getpid()}")

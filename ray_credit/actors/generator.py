@@ -43,6 +43,7 @@ from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLL
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
 from ray_credit.models import Dtype
+from ray_credit.progress import NoBar, progress_bar
 from ray_credit.protocol import (
     INVALID_ACTION_FEEDBACK,
     INVALID_TOOL_CALL_FEEDBACK,
@@ -53,7 +54,7 @@ from ray_credit.protocol import (
 )
 from ray_credit.qa import check_gold_answers, em_check, f1_score, subem_check, turn_contains_gold
 
-__all__ = ["GeneratorConfig", "Generator", "make_generator_actor"]
+__all__ = ["GeneratorConfig", "Generator", "NamedActor", "make_generator_actor"]
 
 _REWARDS = {"em": em_check, "subem": subem_check, "f1": f1_score}
 _STYLES = {
@@ -304,12 +305,18 @@ class Generator:
 
     # ------------------------------------------------------------------ rollouts
     def generate(
-        self, questions: Sequence[Mapping[str, Any]], *, group_size: int | None = None
+        self,
+        questions: Sequence[Mapping[str, Any]],
+        *,
+        group_size: int | None = None,
+        progress: str | None = None,
     ) -> TrajectoryBatch:
         """Roll out ``group_size`` (default ``config.group_size``) trajectories per question.
 
         A question is a mapping with ``question`` and ``golden_answers`` (list of str);
         optional ``id``, ``data_source``, ``supporting_doc_ids``, ``reference_plan``.
+        ``progress``: a progress bar of finished trajectories with this title, where one
+        is seen (:func:`ray_credit.progress.progress_bar`).
         """
         cfg = self.config
         size = cfg.group_size if group_size is None else group_size
@@ -323,6 +330,8 @@ class Generator:
         counts = dict.fromkeys(COUNTERS, 0.0)
         counts["weight_load_seconds"], self._load_seconds = self._load_seconds, 0.0
         rollouts = self._start(questions, size, call)
+        bar = progress_bar(len(rollouts), progress, unit="rollout") if progress else NoBar()
+        finished = 0
         stats_before = _sampler_stats(self.sampler)
         stop, wrap, feedback = _STYLES[cfg.action_style]
         for turn in range(cfg.max_turns):
@@ -368,6 +377,11 @@ class Generator:
                     self._observe(r, turn, feedback, wrap, None, counts)
             if pending:
                 self._run_searches(pending, turn, wrap, counts)
+            done = sum(r.done for r in rollouts)
+            bar.update(done - finished)
+            finished = done
+        bar.update(len(rollouts) - finished)
+        bar.close()
         for key, value in _sampler_stats(self.sampler).items():
             counts[key] = value - stats_before.get(key, 0)
         return self._to_batch(rollouts, counts, time.perf_counter() - start)
@@ -561,6 +575,35 @@ def _fit(sample: SampledTurn, room: int) -> SampledTurn:
     return SampledTurn(sample.token_ids[:room], sample.logprobs[:room], True)
 
 
+class NamedActor:
+    """A named Ray actor, passed to other actors by its name.
+
+    A restartable actor (a generator) built with an actor handle among its arguments
+    makes Ray log an error on every start (its arguments hold an object reference it may
+    not get back on restart: ray-project/ray#53727). Pass this instead: the instance made
+    where the actor was created holds its handle (a named actor lives as long as some
+    handle does); a copy sent to another process carries only the name and looks the actor
+    up there (:meth:`resolve`), again after a restart.
+    """
+
+    def __init__(self, name: str, handle: Any = None, namespace: str | None = None) -> None:
+        self.name, self.handle, self.namespace = name, handle, namespace
+
+    def __reduce__(self):  # the name travels; the handle stays with its creator
+        return (NamedActor, (self.name, None, self.namespace))
+
+    def resolve(self) -> Any:
+        """The actor's handle: the held one, else looked up by name."""
+        if self.handle is None:
+            import ray
+
+            self.handle = ray.get_actor(self.name, namespace=self.namespace)
+        return self.handle
+
+    def __repr__(self) -> str:
+        return f"NamedActor({self.name!r})"
+
+
 class _Search:
     """``search(queries, topk)`` for a plain retriever or a Ray actor handle; ``retries``
     counts the retried calls (a retriever actor that died and is being restarted by Ray,
@@ -580,6 +623,8 @@ class _Search:
         self.restart_s, self.backoff_s, self.max_backoff_s = restart_s, backoff_s, max_backoff_s
         self._own_retries = 0
         self._actor = False
+        if isinstance(retriever, NamedActor):
+            self.retriever = retriever = retriever.resolve()
         if "ray" in sys.modules:
             import ray
 

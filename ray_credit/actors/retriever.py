@@ -52,6 +52,8 @@ from ray_credit.actors.encoder import (
     resolve_encoder_path,
 )
 from ray_credit.config import InputError, check_fields
+from ray_credit.log import log
+from ray_credit.progress import progress_bar
 
 if TYPE_CHECKING:  # pragma: no cover
     from ray.actor import ActorHandle
@@ -274,7 +276,7 @@ class DenseIndex:
         config = IndexConfig(kind=config) if isinstance(config, str) else config
         n, dim = len(corpus), encoder.dim
         _check_trainable(config, n, dim)
-        embeddings = encoder.encode_passages(corpus.contents)
+        embeddings = _encode_passages(encoder, corpus.contents)
         if config.kind == "flat":
             index = faiss.IndexFlatIP(dim)
         elif config.kind == "hnsw":
@@ -412,6 +414,24 @@ class DenseIndex:
                 f"({self.manifest['encoder']['name']!r})"
             )
         return self.index.search(np.ascontiguousarray(embeddings, dtype=np.float32), k)
+
+
+_ENCODE_SLICE = 8192  # passages per encoder call while building: the bar moves per slice
+
+
+def _encode_passages(encoder: Encoder, passages: Sequence[str]) -> np.ndarray:
+    """Every passage's embedding, slice by slice under a progress bar where one is seen
+    (a Wikipedia dump's 21M passages take hours on one GPU)."""
+    if len(passages) <= _ENCODE_SLICE:
+        return encoder.encode_passages(passages)
+    out = np.empty((len(passages), encoder.dim), dtype=np.float32)
+    bar = progress_bar(len(passages), "embedding the corpus", unit="doc")
+    for start in range(0, len(passages), _ENCODE_SLICE):
+        part = passages[start : start + _ENCODE_SLICE]
+        out[start : start + len(part)] = encoder.encode_passages(part)
+        bar.update(len(part))
+    bar.close()
+    return out
 
 
 def _wants_gpu(config: IndexConfig, faiss: Any) -> bool:
@@ -586,15 +606,14 @@ class Retriever:
                     f"index in {folder} is {dense.config.manifest()}, but {config} was "
                     "asked for; delete the folder to rebuild, or ask for the saved config"
                 )
-            print(f"retriever: loaded the index of {len(corpus)} docs from {folder}", flush=True)
+            log.info(f"retriever: loaded the index of {len(corpus)} docs from {folder}")
         else:
             start = time.perf_counter()
             dense = DenseIndex.build(corpus, enc, config)
             dense.save(folder)
-            print(
+            log.info(
                 f"retriever: built the index of {len(corpus)} docs in "
                 f"{time.perf_counter() - start:.1f}s and saved it in {folder}",
-                flush=True,
             )
         retriever = cls(corpus, enc, dense)
         retriever.index_folder = str(folder)

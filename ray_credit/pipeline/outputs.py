@@ -8,6 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ray_credit.log import log
+
 __all__ = ["Logger", "plot", "read_metrics", "smooth"]
 
 
@@ -49,6 +51,12 @@ class Logger:
                 reinit="finish_previous",  # a second run in one process (the study)
                 id=wandb_id,
                 resume="allow" if wandb_id else None,
+                settings=wandb.Settings(silent=True),  # its banner is ~8 lines; ours is one
+            )
+            where = self.run.settings.sync_dir
+            log.info(
+                f"wandb: {cfg.wandb} run {self.run.id} in {where}"
+                + (f" (upload it with `wandb sync {where}`)" if cfg.wandb == "offline" else "")
             )
 
     def log(self, metrics: dict, step: int) -> None:
@@ -62,13 +70,12 @@ class Logger:
         self.file.flush()
         self.log(row, step=int(row["pipeline/step"]))
         elapsed = time.perf_counter() - self.started
-        print(
+        log.info(
             f"step {int(row['pipeline/step'])}/{total}  reward {row.get('train/reward_mean', 0):.3f}  "
             f"EM {row.get('train/em', 0):.3f}  loss {row.get('learner/loss', 0):+.4f}  "
             f"kl {row.get('learner/approx_kl', 0):.2e}  stale≤{int(row.get('staleness/max', 0))}  "
             f"gen {row.get('gen/tokens_per_s', 0):.0f} tok/s  step {row.get('time/step_s', 0):.0f}s  "
             f"[{elapsed / 60:.1f} min]",
-            flush=True,
         )
 
     def finish(self) -> None:
@@ -88,7 +95,7 @@ def read_metrics(path: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):  # the line a killed run was writing
-                print(f"note: {path}:{number} was cut off mid-write; left out", flush=True)
+                log.info(f"note: {path}:{number} was cut off mid-write; left out")
                 continue
             raise ValueError(f"{path}:{number}: not a JSON metrics row") from None
         if not isinstance(row, dict) or "pipeline/step" not in row:

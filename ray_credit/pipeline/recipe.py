@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -38,8 +39,11 @@ from ray_credit.actors.learner import LearnerConfig, Strategy
 from ray_credit.actors.retriever import EncoderConfig, IndexConfig
 from ray_credit.config import check_fields
 from ray_credit.data import WorldConfig
+from ray_credit.log import LogLevel, log, setup_logging, worker_env
 from ray_credit.pipeline.plan import Plan, make_plan, recipe_defaults
 from ray_credit.pipeline.runner import Pipeline, PipelineConfig, checkpoint_state
+from ray_credit.progress import wants_progress
+from ray_credit.storage import StoragePath
 from ray_credit.warm_start import WarmStartConfig, settings_fingerprint
 
 __all__ = [
@@ -271,9 +275,17 @@ class RunConfig:
     output_dir: str = "runs"
     """Outputs go to output_dir/name."""
     resume: str | None = None
-    """A checkpoint folder to continue from (output_dir/name/checkpoint)."""
+    """A checkpoint folder to continue from (storage_path/name/checkpoint, a path or a URI)."""
+    storage_path: str | None = None
+    """Where the checkpoints go, and a copy of summary.json, metrics.jsonl and plot.png:
+    storage_path/name (None: output_dir). A path, or a URI pyarrow opens (s3://bucket/runs,
+    gs://..., hdfs://...), as Ray Train's RunConfig(storage_path) takes; on a multi-node
+    cluster, one every node sees (a shared filesystem or a bucket)."""
     wandb: Literal["offline", "online", "disabled"] = "offline"
     """'offline' (default), 'online' (needs a key: WANDB_API_KEY or `wandb login`) or 'disabled'."""
+    log_level: LogLevel = "info"
+    """What the run prints: 'info' (each stage and step), 'warning' (problems only),
+    'error', or 'debug' (also the libraries' own logs: vLLM, transformers, warnings)."""
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
@@ -299,6 +311,10 @@ class RunConfig:
             )
         if not self.model:
             raise ValueError("model must name a model: an embedded name, an HF id or a folder")
+        if self.storage_path is not None and not self.storage_path.strip():
+            raise ValueError(
+                "storage_path must be a path or a URI such as s3://bucket/runs (None: output_dir)"
+            )
 
     def check(self) -> None:
         """Checks across sections (run once the whole config is assembled)."""
@@ -333,19 +349,23 @@ def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig
         )
 
 
-def check_resume_folder(folder: str) -> Path:
+def check_resume_folder(folder: str) -> StoragePath:
     """The checkpoint ``--resume FOLDER`` resumes from (the newest whole one in a run's
-    checkpoint folder, or FOLDER itself: :func:`~ray_credit.pipeline.resolve_checkpoint`),
-    refused before Ray starts unless it is whole: the pipeline's state (readable JSON) and
-    the learner's part (what :meth:`Pipeline.save` writes)."""
+    checkpoint folder, or FOLDER itself: :func:`~ray_credit.pipeline.resolve_checkpoint`;
+    a path or a URI), refused before Ray starts unless it is whole: the pipeline's state
+    (readable JSON) and the learner's part (what :meth:`Pipeline.save` writes)."""
     from ray_credit.config import InputError, InputFileNotFoundError
-    from ray_credit.pipeline.runner import _STATE_FILE, resolve_checkpoint
+    from ray_credit.pipeline.checkpointing import LEARNER_DIR, STATE_FILE, resolve_checkpoint
 
-    path = Path(folder)
-    usage = "pass the checkpoint folder a run wrote (output_dir/name/checkpoint)"
-    if not path.is_dir():
+    usage = "pass the checkpoint folder a run wrote (storage_path/name/checkpoint)"
+    try:
+        path = StoragePath(folder)
+        found = path.is_dir()
+    except (ValueError, OSError) as err:
+        raise InputError(f"--resume {folder}: {err}; {usage}") from None
+    if not found:
         raise InputFileNotFoundError(f"--resume {folder}: no such folder; {usage}")
-    if (path / "checkpoint").is_dir() and not (path / _STATE_FILE).is_file():
+    if (path / "checkpoint").is_dir() and not (path / STATE_FILE).is_file():
         raise InputError(
             f"--resume {folder}: that is a run's folder; its checkpoint is "
             f"{path / 'checkpoint'}: --resume {path / 'checkpoint'}"
@@ -355,15 +375,15 @@ def check_resume_folder(folder: str) -> Path:
     except FileNotFoundError as err:
         raise InputError(f"--resume {folder}: {err}; {usage}") from None
     where = "" if chosen == path else f" ({chosen.name}, the newest there)"
-    if not (chosen / "learner").is_dir():
+    if not (chosen / LEARNER_DIR).is_dir():
         raise InputError(
             f"--resume {folder}{where}: not a pipeline checkpoint (it has no learner); {usage}"
         )
     try:
-        json.loads((chosen / _STATE_FILE).read_text())
+        json.loads((chosen / STATE_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(
-            f"--resume {folder}{where}: {_STATE_FILE} is damaged ({err}); resume from an "
+            f"--resume {folder}{where}: {STATE_FILE} is damaged ({err}); resume from an "
             "intact checkpoint"
         ) from None
     return chosen
@@ -499,7 +519,7 @@ def submit_evaluation(generator: Any, questions: Sequence[Mapping[str, Any]]) ->
     rollouts of ``questions``; the batch is summarized by a task, never fetched here."""
     import ray
 
-    batch = generator.generate.remote(list(questions))
+    batch = generator.generate.remote(list(questions), progress="held-out rollouts")
     return ray.remote(_eval_summary).options(num_cpus=0).remote(batch)
 
 
@@ -517,14 +537,19 @@ def connect(cfg: Any):
 
     if ray.is_initialized():
         return ray
+    # the run's workers as quiet as its log level (vLLM, transformers, torch's C++ logs)
+    quiet = {
+        "runtime_env": {"env_vars": worker_env(cfg.log_level, progress=wants_progress())},
+        "logging_level": "INFO" if cfg.log_level == "debug" else "WARNING",
+    }
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
-        print(f"connected to the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
+        log.info(f"connected to the Ray cluster at {os.environ['RAY_ADDRESS']}")
     else:
         cpus = cfg.resources.local_cpus or max(6, os.cpu_count() or 1)
         # address="local": a new cluster even when a `ray start` head runs on this machine
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False)
-        print(f"started a local Ray with {cpus} logical CPUs", flush=True)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
+        log.info(f"started a local Ray with {cpus} logical CPUs")
     return ray
 
 
@@ -533,23 +558,29 @@ def make_retriever(
 ):
     """What generators search: a client of the server at ``cfg.url`` (each generator gets
     its own copy), else a retriever actor over ``corpus`` (index saved in / loaded from
-    ``index_folder``; None: the shared index cache, see ``RetrieverConfig.index_folder``)."""
+    ``index_folder``; None: the shared index cache, see ``RetrieverConfig.index_folder``),
+    as a :class:`~ray_credit.actors.generator.NamedActor`: generators, which Ray may
+    restart, get its name, not its handle."""
     if cfg.url:
         from ray_credit.actors.retrieval_server import RemoteRetriever
 
-        retriever = RemoteRetriever(cfg.url)
-        retriever.search(["connection check"], 1)  # a wrong URL fails here, not mid-run
-        return retriever
+        return RemoteRetriever(cfg.url)  # its URL answered before Ray started (_preflight)
+    import uuid
+
+    from ray_credit.actors.generator import NamedActor
     from ray_credit.actors.retriever import make_retriever_actor
 
-    return make_retriever_actor(
+    name = f"retriever-{uuid.uuid4().hex[:12]}"  # one per run, also in one process (the study)
+    handle = make_retriever_actor(
         corpus,
         encoder=cfg.encoder,
         index=cfg.index,
         index_folder=index_folder,
         num_cpus=res.retriever_cpus,
         resources=res.custom("service"),
+        name=name,
     )
+    return NamedActor(name, handle)
 
 
 def make_generators(
@@ -641,7 +672,7 @@ def make_learner(cfg: Any):
             **({"GPU": 1} if res.use_gpu else {}),
             **res.custom("learner"),
         },
-        resume_from=None if cfg.resume is None else f"{cfg.resume}/learner",
+        resume_from=None if cfg.resume is None else StoragePath(cfg.resume) / "learner",
         timeout_s=cfg.pipeline.timeout_s,
         strategy=res.learner_strategy,
     )
@@ -670,10 +701,9 @@ def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: 
                     known[q["question"]] = value["reference_plan"]
                     row = {"question": q["question"], "reference_plan": value["reference_plan"]}
                     out.write(json.dumps(row) + "\n")
-        print(
+        log.info(
             f"reference plans: {sum(v is not None for v in made)} made of {len(todo)} "
             f"({time.perf_counter() - t0:.0f}s), kept in {cache}",
-            flush=True,
         )
     out_q = [
         q if q.get("reference_plan") else {**q, "reference_plan": known.get(q["question"])}
@@ -681,11 +711,10 @@ def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: 
     ]
     missing = sum(not q["reference_plan"] for q in out_q)
     if missing:
-        print(
+        log.warning(
             f"warning: {missing} of {len(out_q)} training questions have no reference plan "
             "(the judge failed to make one); their trajectories go unjudged, counted in "
             "judge/no_evidence",
-            flush=True,
         )
     return out_q
 
@@ -697,26 +726,29 @@ def train(cfg: Any, estimator: str) -> dict:
     from ray_credit.pipeline.outputs import Logger, plot
 
     check_config(cfg)  # every section's check(), as parse_config does
+    setup_logging(cfg.log_level)
     t_start = time.perf_counter()
     run_config = asdict(cfg)  # as given: what a --resume of this run starts from
     out = Path(cfg.output_dir).resolve() / cfg.name
     out.mkdir(parents=True, exist_ok=True)
+    run_dir = _run_storage(cfg, out)  # the checkpoints, and a copy of the outputs
     # Data and the method's plan: everything that can be refused is refused here.
     corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.pipeline.seed)
     plan = make_plan(cfg, estimator, train_q)
     for departure in plan.departures:
-        print(f"note: departs from {estimator}'s recipe: {departure}", flush=True)
+        log.info(f"note: departs from {estimator}'s recipe: {departure}")
     titles = _checked_demonstrations(cfg, corpus, train_q) if cfg.warm_start.enabled else {}
     _preflight(cfg, train_q)
     resumed_step, previous = None, {}
     if cfg.resume is not None:  # the newest whole checkpoint in the folder given
         cfg = replace(cfg, resume=str(check_resume_folder(cfg.resume)))
         resumed_step = int(checkpoint_state(cfg.resume)["step"])
+        _sync_outputs(out, run_dir, fetch=True)  # on a new head node: the run's history
         previous = _previous_summary(out)
     # Services: retriever, judges, scorer, generators, learner.
     ray = connect(cfg)
     _warn_if_short(ray, cfg, plan)
-    print(f"data: {len(train_q)} training questions, {len(eval_q)} held out", flush=True)
+    log.info(f"data: {len(train_q)} training questions, {len(eval_q)} held out")
     retriever = make_retriever(corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder)
     logger = Logger(cfg, out, resumed_step=resumed_step, wandb_id=previous.get("wandb_id"))
     summary: dict[str, Any] = {
@@ -734,7 +766,8 @@ def train(cfg: Any, estimator: str) -> dict:
     summary.update(kept)
     # The warm-start: every actor below then loads the warm-started policy as its model.
     if cfg.warm_start.enabled:
-        cfg = _warm_start(cfg, retriever, train_q, eval_q, titles, out, summary, logger)
+        shared = run_dir.local_path or out  # a shared filesystem's, where storage_path is one
+        cfg = _warm_start(cfg, retriever, train_q, eval_q, titles, shared, summary, logger)
     summary["policy"] = cfg.model  # what every actor below loads
     judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
     scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
@@ -744,10 +777,9 @@ def train(cfg: Any, estimator: str) -> dict:
     # Evaluation before training (a resumed run: of the resumed policy).
     if cfg.eval.enabled and "eval_before" in kept:
         before = kept["eval_before"]
-        print(
+        log.info(
             f"eval before training: EM {before['em']:.3f} on {len(eval_q)} held-out questions "
             f"(kept from {out / 'summary.json'}: this run before its first step)",
-            flush=True,
         )
     elif cfg.eval.enabled:
         when = (
@@ -758,10 +790,16 @@ def train(cfg: Any, estimator: str) -> dict:
         summary["eval_before"] = _evaluate_policy(cfg, retriever, learner, eval_q, when)
         logger.log(_eval_metrics(summary["eval_before"]), step=resumed_step or 0)
     _write_summary(out, summary)  # a run cut off later keeps what it measured so far
+    _sync_outputs(out, run_dir)
     # The pipeline.
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
-        pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(out / "checkpoint"))
+        pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(run_dir / "checkpoint"))
+
+    def on_step(metrics: dict[str, float]) -> None:
+        logger.step(metrics, pipe_cfg.steps)
+        _sync_outputs(out, run_dir)
+
     stages, step_stages = plan.stages(judges=judges, scorer=scorer, timeout_s=pipe_cfg.timeout_s)
     pipeline = Pipeline(
         generators,
@@ -772,7 +810,7 @@ def train(cfg: Any, estimator: str) -> dict:
         step_stages=step_stages,
         weight_targets=[scorer] if scorer is not None else [],
         resume_from=cfg.resume,
-        on_step=lambda m: logger.step(m, pipe_cfg.steps),
+        on_step=on_step,
         metadata={"run_config": run_config},
     )
     history = pipeline.run()
@@ -793,15 +831,19 @@ def train(cfg: Any, estimator: str) -> dict:
         logger.log(_eval_metrics(summary["eval_after"]), step=pipeline.step)
         if "eval_before" in summary:
             summary["eval_change"] = eval_change(summary["eval_before"], summary["eval_after"])
-            print(describe_change(summary["eval_before"], summary["eval_after"],
-                                  summary["eval_change"]), flush=True)  # fmt: skip
+            log.info(
+                describe_change(
+                    summary["eval_before"], summary["eval_after"], summary["eval_change"]
+                )
+            )
             if "eval_base" in summary:
                 summary["eval_change_warm_start"] = eval_change(
                     summary["eval_base"], summary["eval_before"]
                 )
-                print("the warm-start's part (" + describe_change(
-                    summary["eval_base"], summary["eval_before"],
-                    summary["eval_change_warm_start"]) + ")", flush=True)  # fmt: skip
+                warm = describe_change(
+                    summary["eval_base"], summary["eval_before"], summary["eval_change_warm_start"]
+                )
+                log.info(f"the warm-start's part ({warm})")
             change = summary["eval_change"]["all"]
             logger.log(
                 {"eval/em_change": change["diff"], "eval/em_change_low": change["low"],
@@ -814,13 +856,48 @@ def train(cfg: Any, estimator: str) -> dict:
     _write_summary(out, summary)
     plot(logger.rows, summary, out / "plot.png")
     logger.finish()
+    _sync_outputs(out, run_dir)
     learner.shutdown()
-    print(
+    log.info(
         f"wrote {out}/summary.json, {out}/plot.png, {out}/metrics.jsonl, checkpoint "
         f"{pipe_cfg.checkpoint_dir}",
-        flush=True,
     )
     return summary
+
+
+def _run_storage(cfg: Any, out: Path) -> StoragePath:
+    """Where the run's checkpoints go: ``storage_path/name`` (made here, so that a location
+    it cannot write is refused before Ray starts), else ``out``."""
+    from ray_credit.config import InputError
+
+    if cfg.storage_path is None:
+        return StoragePath(out)
+    try:
+        run_dir = StoragePath(cfg.storage_path) / cfg.name
+        run_dir.mkdir()
+    except (ValueError, OSError) as err:
+        raise InputError(
+            f"storage_path={cfg.storage_path!r}: cannot write there ({err}); give a folder "
+            "every node sees or a URI such as s3://bucket/runs (credentials from the "
+            "environment, as pyarrow finds them)"
+        ) from None
+    return run_dir
+
+
+_OUTPUTS = ("summary.json", "metrics.jsonl", "plot.png")
+
+
+def _sync_outputs(out: Path, run_dir: StoragePath, *, fetch: bool = False) -> None:
+    """The driver's outputs in ``out`` copied to the run's storage folder, so that it holds
+    the whole run (nothing to do when they are one folder); ``fetch``: the other way,
+    each one missing here (a resume on another machine keeps the run's history)."""
+    here = StoragePath(out)
+    if here == run_dir:
+        return
+    for name in _OUTPUTS:
+        source, target = (run_dir / name, here / name) if fetch else (here / name, run_dir / name)
+        if source.is_file() and not (fetch and target.exists()):
+            target.write_bytes(source.read_bytes())
 
 
 def _write_summary(out: Path, summary: dict) -> None:
@@ -838,7 +915,7 @@ def _previous_summary(out: Path) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        print(f"note: {path} is not readable ({err}); the resumed run starts a new one")
+        log.warning(f"note: {path} is not readable ({err}); the resumed run starts a new one")
         return {}
     return previous if isinstance(previous, dict) else {}
 
@@ -854,8 +931,8 @@ def _kept_evaluations(previous: dict, run_config: dict) -> dict:
     config = previous.get("config", {})
     if any(config.get(key) != run_config.get(key) for key in _EVALUATION_SETTINGS):
         changed = [k for k in _EVALUATION_SETTINGS if config.get(k) != run_config.get(k)]
-        print(f"note: the resumed run changes {', '.join(changed)}: its evaluation before "
-              "training is not the first run's, and is made again", flush=True)  # fmt: skip
+        log.info(f"note: the resumed run changes {', '.join(changed)}: its evaluation before "
+              "training is not the first run's, and is made again")  # fmt: skip
         return {}
     keys = ("eval_before", "eval_base", "warm_start")
     return {key: previous[key] for key in keys if key in previous}
@@ -881,6 +958,43 @@ def _preflight(cfg: Any, train_q: list[dict]) -> None:
         _strata(train_q, cfg.pipeline.stratify_by)
     except ValueError as err:
         raise InputError(str(err)) from None
+    _preflight_retrieval(cfg)
+
+
+def _preflight_retrieval(cfg: Any) -> None:
+    """The retriever's inputs, before Ray starts: a server's URL answers; else the corpus
+    file's first document reads, the encoder is a preset, a model folder or a known hub id,
+    and an index folder given holds an index (or nothing yet)."""
+    from ray_credit.actors.retriever import check_index_folder, resolve_encoder_path
+    from ray_credit.config import InputError
+    from ray_credit.data.loaders import iter_corpus
+
+    retriever = cfg.retriever
+    if retriever.url:
+        from ray_credit.actors.retrieval_server import RemoteRetriever, RetrievalServiceError
+
+        try:  # a wrong URL fails here, not in every generator mid-run
+            RemoteRetriever(retriever.url, retries=1).search(["connection check"], 1)
+        except (RetrievalServiceError, ValueError) as err:
+            raise InputError(f"retriever.url: {err}") from None
+        return
+    if cfg.data.corpus is not None and cfg.data.questions != "synthetic":
+        try:
+            first = next(iter_corpus(cfg.data.corpus, batch_size=1, check_duplicates=False), None)
+        except InputError as err:
+            raise type(err)(f"data.corpus: {err}") from None
+        if first is None:
+            raise InputError(f"data.corpus {cfg.data.corpus}: the file holds no document")
+    try:
+        encoder = resolve_encoder_path(retriever.encoder.name)
+    except (ImportError, FileNotFoundError) as err:
+        raise InputError(f"retriever.encoder.name: {err}") from None
+    check_model("retriever.encoder.name", encoder)
+    if retriever.index_folder is not None:
+        try:
+            check_index_folder(retriever.index_folder)
+        except (ValueError, OSError) as err:
+            raise InputError(f"retriever.index_folder: {err}") from None
 
 
 def check_model(setting: str, model: str) -> None:
@@ -971,13 +1085,12 @@ def _warm_start(
         device="cuda" if res.use_gpu else "cpu",
     ))  # fmt: skip
     m = manifest["metrics"]
-    print(
+    log.info(
         f"warm-start: {'reused ' + folder if manifest['reused'] else 'saved in ' + folder}; "
         f"{m['warm_start/demonstrations']:.0f} demonstrations of {m['warm_start/questions']:.0f} "
         f"questions ({m['warm_start/left_out_no_gold_seen']:.0f} left out: no gold answer seen), "
         f"loss {m['warm_start/loss_first_epoch']:.3f} -> {m['warm_start/loss_last_epoch']:.3f} "
         f"over {ws.epochs} epoch(s) ({time.perf_counter() - t0:.0f}s)",
-        flush=True,
     )
     summary["warm_start"] = {"folder": folder, "reused": manifest["reused"], **m}
     logger.log(m, step=0)
@@ -1003,11 +1116,10 @@ def _evaluate_policy(
     cached = _evaluation_file(cfg, greedy, questions) if version == 0 else None
     if cached is not None and cached.is_file():
         result = json.loads(cached.read_text())
-        print(
+        log.info(
             f"eval {when}: EM {result['em']:.3f} on {len(questions)} held-out questions (policy "
             f"version 0: the greedy evaluation of the same policy, questions and settings "
             f"saved in {cached})",
-            flush=True,
         )
         return {**result, "reused": str(cached)}
     (actor,) = make_generators(
@@ -1024,10 +1136,9 @@ def _evaluate_policy(
         partial = cached.with_suffix(".partial")
         partial.write_text(json.dumps(result))
         partial.rename(cached)  # whole or absent
-    print(
+    log.info(
         f"eval {when}: EM {result['em']:.3f} on {len(questions)} held-out questions (policy "
         f"version {version}, {time.perf_counter() - t0:.0f}s)",
-        flush=True,
     )
     return result
 
@@ -1077,11 +1188,10 @@ def _warn_if_short(ray: Any, cfg: Any, plan: Plan) -> None:
     short = {k: v for k, v in wanted.items() if v > have.get(k, 0.0) + 1e-9}
     if short:
         needs = ", ".join(f"{v:g} {k} (cluster has {have.get(k, 0.0):g})" for k, v in short.items())
-        print(
+        log.warning(
             f"warning: this run's actors ask for {needs}; they will wait for an autoscaler "
             "to add nodes. Without one, lower --resources.* (generator_cpus, learner_cpus, "
             "eval_cpus, ...) or unset the custom resources to fit.",
-            flush=True,
         )
 
 
@@ -1148,10 +1258,9 @@ def _resumed_settings(argv: Sequence[str]) -> dict[str, Any] | None:
     chosen = check_resume_folder(known.resume)  # refused here, naming it, when not whole
     run = checkpoint_state(chosen)["metadata"].get("run_config")
     if run is None:
-        print(
+        log.info(
             f"note: {chosen} holds no run config (an older checkpoint): the settings come "
             "from the defaults, --config and the flags, as for a new run",
-            flush=True,
         )
         return None
     return {key: value for key, value in _flatten(run) if key != "resume"}
@@ -1168,8 +1277,60 @@ def main(
     """What a pipeline script runs: :func:`load_config`, then :func:`train`."""
     from ray_credit.config import InputError
 
+    prog = Path(sys.argv[0]).name
     try:
         cfg = load_config(cls, estimator, argv, doc=doc, default_config=default_config)
-        return train(cfg, estimator)
     except InputError as err:  # the user's to fix: one line, as argparse's errors
-        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {err}") from None
+        raise SystemExit(f"{prog}: error: {err}") from None
+    try:
+        return train(cfg, estimator)
+    except InputError as err:
+        raise SystemExit(f"{prog}: error: {err}") from None
+    except Exception as err:  # an actor, a task or the loop failed: one line, not 300
+        trace = Path(cfg.output_dir).resolve() / cfg.name / "error.log"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text(traceback.format_exc())
+        log.debug(trace.read_text())
+        raise SystemExit(
+            f"{prog}: error: {failure_summary(err)} (traceback: {trace}{_worker_logs()})"
+        ) from None
+
+
+def failure_summary(err: BaseException) -> str:
+    """One line naming what failed and why: the remote exception of a failed task or actor
+    call (its type, function, process and node), an actor's death, or the error itself."""
+    import ray.exceptions
+
+    for cause in _chain(err):
+        if isinstance(cause, ray.exceptions.RayTaskError):
+            inner = cause.cause
+            where = f"{cause.function_name} (pid {cause.pid}, node {cause.ip})"
+            return f"{type(inner).__name__} in {where}: {_first_line(inner)}"
+    for cause in _chain(err):
+        if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)):
+            return f"{type(err).__name__}: {_first_line(err)}; cause: {_first_line(cause)}"
+    return f"{type(err).__name__}: {_first_line(err)}"
+
+
+def _chain(err: BaseException | None):
+    """``err`` and the exceptions it was raised from, outermost first."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _worker_logs() -> str:
+    """``; worker logs: <the session's log folder>`` while Ray is connected, else ''."""
+    import ray
+
+    if not ray.is_initialized():
+        return ""
+    node = ray._private.worker._global_node  # the only handle on the session's folder
+    return f"; worker logs: {node.get_logs_dir_path()}" if node is not None else ""

@@ -72,8 +72,14 @@ def test_tspo_with_vllm_generators(ray_cluster, tmp_path):
 
 @pytest.mark.slow
 def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
-    stdout = run("tspo.py", [*SMALL, "--output_dir", str(tmp_path)], ray_cluster)
-    out = tmp_path / "tspo"
+    """Outputs in output_dir/name; checkpoints, the warm start and a copy of the outputs in
+    storage_path/name (a file:// URI here, as s3:// would be), from which a resume on a
+    machine without the outputs continues the run, its history included."""
+    bucket = f"file://{tmp_path}/bucket"
+    stdout = run(
+        "tspo.py", [*SMALL, "--output_dir", str(tmp_path), "--storage_path", bucket], ray_cluster
+    )
+    out, stored = tmp_path / "tspo", tmp_path / "bucket" / "tspo"
     assert "eval before training: EM" in stdout and "step 2/2" in stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["groups_trained"] == 4
@@ -82,11 +88,15 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     assert (
         "warm-start: saved in" in stdout and summary["warm_start"]["warm_start/demonstrations"] > 0
     )
-    assert summary["policy"] == str(out / "warm_start")
+    assert summary["policy"] == str(stored / "warm_start")  # on storage every node sees
     assert "held-out EM, paired on the same questions" in stdout
     assert summary["eval_change"]["all"]["n"] == 4  # the same 4 questions, before and after
     assert (out / "plot.png").stat().st_size > 1000
-    assert [step for step, _ in checkpoints(out / "checkpoint")] == [2]
+    assert summary["checkpoint"] == f"{bucket}/tspo/checkpoint"
+    assert [step for step, _ in checkpoints(summary["checkpoint"])] == [2]
+    assert not (out / "checkpoint").exists()
+    for name in ("summary.json", "metrics.jsonl", "plot.png"):  # the copy in storage
+        assert (stored / name).read_bytes() == (out / name).read_bytes()
     assert any((out / "wandb").iterdir())  # the offline wandb run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["pipeline/step"] for r in rows] == [1, 2]
@@ -94,8 +104,10 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
         assert key in rows[-1]
 
     first = summary
+    for name in ("summary.json", "metrics.jsonl", "plot.png"):  # a new head node
+        (out / name).unlink()
     # --resume takes the run's own settings from its checkpoint: only what changes is given
-    stdout = run("tspo.py", ["--resume", str(out / "checkpoint"), "--pipeline.steps", "3"],
+    stdout = run("tspo.py", ["--resume", summary["checkpoint"], "--pipeline.steps", "3"],
                  ray_cluster, cwd=tmp_path)  # fmt: skip
     assert "warm-start: reused" in stdout  # the resumed learner's weights sit on the same base
     summary = json.loads((out / "summary.json").read_text())
@@ -117,7 +129,7 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     stdout = run(
         "eval.py",
         [
-            "--model", str(out / "checkpoint"),
+            "--model", str(stored / "checkpoint"),
             "--data.eval_questions", "4",
             "--data.world.num_entities", "20",
             "--resources.generator_cpus", "0.5",

@@ -338,3 +338,18 @@ def test_bad_inputs_have_clear_errors(tiny):
         GeneratorConfig(action_style="xml")
     with pytest.raises(TypeError, match="search\\(queries, topk\\)"):
         Generator(tiny, object())
+
+
+def test_a_named_actor_travels_by_name_and_its_handle_stays():
+    """What generators get of the pipeline's retriever actor: its name (a handle among a
+    restartable actor's arguments makes Ray log an error on every start, ray#53727)."""
+    import pickle
+
+    from ray_credit.actors.generator import NamedActor
+
+    held = object()
+    local = NamedActor("retriever-abc", held)
+    assert local.resolve() is held  # the creator's copy keeps the actor alive
+    sent = pickle.loads(pickle.dumps(local))
+    assert sent.name == "retriever-abc" and sent.handle is None
+    assert repr(sent) == "NamedActor('retriever-abc')"

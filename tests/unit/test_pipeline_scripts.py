@@ -94,7 +94,18 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
          "questions have no 'hop'"),
         (["--warm_start.questions", "100000"], "warm_start.questions=100000 is more than the 282 "
          "training questions"),
+        # the retriever's inputs: its encoder, its corpus's first document, a server's URL
+        (["--retriever.encoder.name", str(tmp_path / "no" / "encoder")], "retriever.encoder.name="
+         "'.*no/encoder': no such folder"),
+        (["--retriever.url", "http://127.0.0.1:9/retrieve"], "retriever.url: "),
+        (["--data.questions", str(tmp_path / "q.jsonl"), "--data.corpus", str(tmp_path / "c.jsonl"),
+          "--data.eval_questions", "1", "--warm_start.enabled", "false",
+          "--pipeline.stratify_by", "none"], "data.corpus: .*c.jsonl:1"),
     ]  # fmt: skip
+    questions = [{"id": str(i), "question": f"who is {i}?", "golden_answers": [f"p{i}"]}
+                 for i in range(3)]  # fmt: skip
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    (tmp_path / "c.jsonl").write_text("not a document\n")
     for flags, message in cases:
         out = subprocess.run(
             [sys.executable, str(ROOT / "pipelines" / "tspo.py"), *flags,

@@ -124,3 +124,39 @@ def test_a_damaged_metrics_row_is_named(tmp_path):
     path.write_text('{"step": 1}\n')
     with pytest.raises(ValueError, match="no pipeline/step"):
         read_metrics(path)
+
+
+def test_the_storage_folder_holds_the_runs_outputs_and_a_new_head_fetches_them(tmp_path):
+    from ray_credit.pipeline.recipe import _sync_outputs
+    from ray_credit.storage import StoragePath
+
+    head = tmp_path / "head" / "run"
+    head.mkdir(parents=True)
+    (head / "summary.json").write_text('{"steps": 2}')
+    (head / "metrics.jsonl").write_text('{"pipeline/step": 1}\n')
+    storage = StoragePath(f"file://{tmp_path}/bucket/run")
+    _sync_outputs(head, storage)
+    assert (tmp_path / "bucket" / "run" / "summary.json").read_text() == '{"steps": 2}'
+    assert not (tmp_path / "bucket" / "run" / "plot.png").exists()  # not made yet
+
+    new_head = tmp_path / "new_head" / "run"  # a resume on another machine
+    new_head.mkdir(parents=True)
+    (new_head / "summary.json").write_text('{"steps": 3}')  # what is here is kept
+    _sync_outputs(new_head, storage, fetch=True)
+    assert (new_head / "metrics.jsonl").read_text() == '{"pipeline/step": 1}\n'
+    assert (new_head / "summary.json").read_text() == '{"steps": 3}'
+
+
+def test_a_storage_path_that_cannot_be_written_is_refused_before_ray(tmp_path):
+    from ray_credit.pipeline.recipe import _run_storage
+
+    cls = _tspo_class()
+    (tmp_path / "a_file").write_text("")
+    for where, reason in [("nosuch://bucket/runs", "pyarrow cannot open"),
+                          (str(tmp_path / "a_file"), "cannot write there")]:  # fmt: skip
+        cfg = cls(storage_path=where)
+        with pytest.raises(InputError, match=f"storage_path=.*{reason}.*s3://bucket/runs"):
+            _run_storage(cfg, tmp_path / "out")
+    assert str(_run_storage(cls(name="mine"), tmp_path / "out")) == str(tmp_path / "out")
+    with pytest.raises(ValueError, match="storage_path must be a path or a URI"):
+        cls(storage_path=" ")

@@ -1,0 +1,80 @@
+"""Progress bars: drawn only where someone watches, and counting what they say."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_credit import progress
+from ray_credit.log import PROGRESS_ENV, setup_logging
+
+
+class Recorder:
+    def __init__(self, total, desc, unit):
+        self.total, self.desc, self.unit, self.count, self.closed = total, desc, unit, 0, False
+
+    def update(self, n=1):
+        self.count += n
+
+    def close(self):
+        self.closed = True
+
+
+def test_bars_are_drawn_only_on_a_terminal_at_info(monkeypatch):
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    assert isinstance(progress.progress_bar(10, "x"), progress.NoBar)  # a log file, a pipe
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    setup_logging("warning")
+    assert isinstance(progress.progress_bar(10, "x"), progress.NoBar)  # asked for quiet
+    setup_logging("info")
+    bar = progress.progress_bar(10, "x")
+    assert not isinstance(bar, progress.NoBar)
+    bar.close()
+    monkeypatch.setenv(PROGRESS_ENV, "0")  # a worker of a run whose driver is not watched
+    assert isinstance(progress.progress_bar(10, "x"), progress.NoBar)
+
+
+def test_a_generators_bar_counts_every_rollout_once(monkeypatch):
+    pytest.importorskip("torch")
+    from ray_credit.actors import generator as generator_module
+    from ray_credit.actors.generator import Generator, GeneratorConfig
+    from ray_credit.models import load_model
+    from tests.unit.test_generator import QUESTIONS, WordRetriever
+
+    bars = []
+    monkeypatch.setattr(
+        generator_module,
+        "progress_bar",
+        lambda total, desc, unit: bars.append(Recorder(total, desc, unit)) or bars[-1],
+    )
+    config = GeneratorConfig(group_size=3, max_turns=3, max_new_tokens=8, seed=2)
+    gen = Generator(load_model("tiny-random"), WordRetriever(), config)
+    batch = gen.generate(QUESTIONS, progress="held-out rollouts")
+    (bar,) = bars
+    assert bar.total == bar.count == len(batch) == 3 * len(QUESTIONS) and bar.closed
+    assert bar.desc == "held-out rollouts"
+    gen.generate(QUESTIONS)  # no title, no bar
+    assert len(bars) == 1
+
+
+def test_a_large_corpus_is_embedded_slice_by_slice_to_the_same_vectors(monkeypatch):
+    from ray_credit.actors import retriever as retriever_module
+
+    class Encoder:
+        dim = 3
+
+        def encode_passages(self, passages):
+            return np.array([[len(p), len(p) % 2, 1.0] for p in passages], dtype=np.float32)
+
+    bars = []
+    monkeypatch.setattr(retriever_module, "_ENCODE_SLICE", 4)
+    monkeypatch.setattr(
+        retriever_module,
+        "progress_bar",
+        lambda total, desc, unit: bars.append(Recorder(total, desc, unit)) or bars[-1],
+    )
+    passages = [f"doc {'x' * i}" for i in range(10)]
+    out = retriever_module._encode_passages(Encoder(), passages)
+    np.testing.assert_array_equal(out, Encoder().encode_passages(passages))
+    assert bars[0].count == bars[0].total == 10 and bars[0].closed
