@@ -42,7 +42,7 @@ from typing import Any, Literal, get_args
 from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLLMConfig
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
-from ray_credit.models import Dtype
+from ray_credit.models import AttnImplementation, Dtype
 from ray_credit.progress import NoBar, progress_bar
 from ray_credit.protocol import (
     INVALID_ACTION_FEEDBACK,
@@ -147,6 +147,9 @@ class GeneratorConfig:
     dtype: Dtype = "float32"
     """Weights and activations of the generator's model: float32 (exact log-probs on a
     CPU), bfloat16, float16 or auto (the checkpoint's)."""
+    attn_implementation: AttnImplementation | None = None
+    """transformers backend: the attention kernel ('sdpa', 'eager', 'flash_attention_2',
+    ...; None: transformers' default). vLLM picks its own attention backend."""
     max_batch_size: int = 64
     """transformers backend: rows per forward pass."""
     kv_reuse_gb: float = 2.0
@@ -685,7 +688,11 @@ def _make_sampler(model, cfg: GeneratorConfig, *, device: str) -> Sampler:
         from ray_credit.models import load_model
 
         pair = (
-            model if isinstance(model, tuple) else load_model(model, dtype=cfg.dtype, device=device)
+            model
+            if isinstance(model, tuple)
+            else load_model(
+                model, dtype=cfg.dtype, device=device, attn_implementation=cfg.attn_implementation
+            )
         )
         return TransformersSampler(
             *pair, max_batch_size=cfg.max_batch_size, kv_reuse_gb=cfg.kv_reuse_gb

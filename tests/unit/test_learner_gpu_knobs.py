@@ -149,3 +149,19 @@ def test_the_attention_kernel_is_set_and_changes_no_log_prob():
     with pytest.raises((TypeError, ValueError), match="attn_implementation"):
         LearnerConfig(attn_implementation="fast")
     assert np.isfinite(float(_logits(eager).sum()))
+
+
+def test_the_transformers_generator_takes_the_attention_kernel_too():
+    from ray_credit.actors.generator import Generator, GeneratorConfig
+    from tests.unit.test_generator import QUESTIONS, WordRetriever
+
+    rows = {}
+    for kernel in ("eager", "sdpa"):
+        config = GeneratorConfig(
+            group_size=2, max_turns=2, max_new_tokens=8, temperature=0.0, seed=1,
+            attn_implementation=kernel,
+        )  # fmt: skip
+        generator = Generator("tiny-random", WordRetriever(), config)
+        assert generator.sampler.model.config._attn_implementation == kernel
+        rows[kernel] = [r["input_ids"] for r in generator.generate(QUESTIONS).to_records()]
+    assert rows["eager"] == rows["sdpa"]  # greedy: the same tokens whichever kernel
