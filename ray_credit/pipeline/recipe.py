@@ -774,19 +774,14 @@ def train(cfg: Any, estimator: str) -> dict:
     train_q = with_reference_plans(plan, judges, train_q, out / "reference_plans.jsonl")
     generators = make_generators(cfg.model, retriever, cfg, cfg.generator, prefix="gen")
     learner = make_learner(cfg)
-    # Evaluation before training (a resumed run: of the resumed policy).
+    # Evaluation before training (a resumed run: the first run's, or the resumed policy's).
     if cfg.eval.enabled and "eval_before" in kept:
-        before = kept["eval_before"]
         log.info(
-            f"eval before training: EM {before['em']:.3f} on {len(eval_q)} held-out questions "
-            f"(kept from {out / 'summary.json'}: this run before its first step)",
+            f"eval before training: EM {kept['eval_before']['em']:.3f} on {len(eval_q)} "
+            f"held-out questions (kept from {out / 'summary.json'}: before the run's first step)"
         )
     elif cfg.eval.enabled:
-        when = (
-            "before training"
-            if cfg.resume is None
-            else f"of the resumed policy (step {resumed_step})"
-        )
+        when = "before training" if resumed_step is None else f"at step {resumed_step}"
         summary["eval_before"] = _evaluate_policy(cfg, retriever, learner, eval_q, when)
         logger.log(_eval_metrics(summary["eval_before"]), step=resumed_step or 0)
     _write_summary(out, summary)  # a run cut off later keeps what it measured so far
@@ -830,26 +825,7 @@ def train(cfg: Any, estimator: str) -> dict:
         )
         logger.log(_eval_metrics(summary["eval_after"]), step=pipeline.step)
         if "eval_before" in summary:
-            summary["eval_change"] = eval_change(summary["eval_before"], summary["eval_after"])
-            log.info(
-                describe_change(
-                    summary["eval_before"], summary["eval_after"], summary["eval_change"]
-                )
-            )
-            if "eval_base" in summary:
-                summary["eval_change_warm_start"] = eval_change(
-                    summary["eval_base"], summary["eval_before"]
-                )
-                warm = describe_change(
-                    summary["eval_base"], summary["eval_before"], summary["eval_change_warm_start"]
-                )
-                log.info(f"the warm-start's part ({warm})")
-            change = summary["eval_change"]["all"]
-            logger.log(
-                {"eval/em_change": change["diff"], "eval/em_change_low": change["low"],
-                 "eval/em_change_high": change["high"]},
-                step=pipeline.step,
-            )  # fmt: skip
+            _report_change(summary, logger, pipeline.step)
     # Outputs.
     summary["final_step_metrics"] = history[-1] if history else {}
     summary["seconds"] = time.perf_counter() - t_start
@@ -863,6 +839,24 @@ def train(cfg: Any, estimator: str) -> dict:
         f"{pipe_cfg.checkpoint_dir}",
     )
     return summary
+
+
+def _report_change(summary: dict, logger: Any, step: int) -> None:
+    """The paired change of held-out EM from before training to after (and the
+    warm-start's own, when the base policy was evaluated): kept, printed and logged."""
+    before, after = summary["eval_before"], summary["eval_after"]
+    summary["eval_change"] = eval_change(before, after)
+    log.info(describe_change(before, after, summary["eval_change"]))
+    if "eval_base" in summary:
+        summary["eval_change_warm_start"] = eval_change(summary["eval_base"], before)
+        warm = describe_change(summary["eval_base"], before, summary["eval_change_warm_start"])
+        log.info(f"the warm-start's part ({warm})")
+    change = summary["eval_change"]["all"]
+    logger.log(
+        {"eval/em_change": change["diff"], "eval/em_change_low": change["low"],
+         "eval/em_change_high": change["high"]},
+        step=step,
+    )  # fmt: skip
 
 
 def _run_storage(cfg: Any, out: Path) -> StoragePath:
