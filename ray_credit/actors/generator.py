@@ -390,15 +390,17 @@ class Generator:
         return self._to_batch(rollouts, counts, time.perf_counter() - start)
 
     def generate_chunk(
-        self, questions: Sequence[Mapping[str, Any]]
+        self, questions: Sequence[Mapping[str, Any]], *, progress: str | None = None
     ) -> tuple[TrajectoryBatch, dict[str, Any]]:
         """:meth:`generate`, plus the small summary the pipeline's driver reads instead of
         the batch (its ``gen/*`` counters and the oldest policy version of each
         trajectory; :func:`ray_credit.pipeline.report.generation_summary`). Call it with
-        ``num_returns=2`` so the two travel as separate objects."""
+        ``num_returns=2`` so the two travel as separate objects. ``progress``: the title
+        of a bar of finished trajectories, as for :meth:`generate` (the pipeline names
+        the step and the groups)."""
         from ray_credit.pipeline.report import generation_summary
 
-        batch = self.generate(questions)
+        batch = self.generate(questions, progress=progress)
         return batch, generation_summary(batch)
 
     # ------------------------------------------------------------------ steps

@@ -356,8 +356,10 @@ class Pipeline:
     """Generators ahead of a learner, stages per chunk, weights published back.
 
     Args:
-        generators: generator actor handles (``generate_chunk(questions)`` -> ``(batch,
-            summary)`` with ``num_returns=2``, ``update_weights(version, weights)``,
+        generators: generator actor handles (``generate_chunk(questions, *,
+            progress=None)`` -> ``(batch, summary)`` with ``num_returns=2``, ``progress``
+            the title of a progress bar, which may be ignored;
+            ``update_weights(version, weights)``,
             ``get_policy_version()``; :class:`~ray_credit.actors.generator.Generator`).
         learner: a :class:`~ray_credit.actors.learner_group.LearnerGroup` (or anything
             with ``submit_train(refs)`` returning a call with ``refs`` and ``result()``,
@@ -519,7 +521,9 @@ class Pipeline:
             self._progress[g] = time.monotonic()
         self._queued[g] += 1
         call = self.generators[g].generate_chunk.options(num_returns=2)
-        chunk.batch, chunk.summary_ref = call.remote(questions)
+        step = chunk.start // self.config.groups_per_step + 1
+        title = f"step {step}/{self.config.steps}: groups {chunk.groups} on generator{g}"
+        chunk.batch, chunk.summary_ref = call.remote(questions, progress=title)
 
     def _dispatch(self) -> None:
         while self._redo and (g := self._free_generator()) is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import replace
 
@@ -256,15 +257,17 @@ def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
             super().__init__(*args, **kwargs)
             self.marker = marker
 
-        def generate_chunk(self, questions):
+        def generate_chunk(self, questions, **kwargs):
             import os
             import time
 
+            with open(self.marker + ".titles", "a") as titles:  # the driver's bar titles
+                titles.write(kwargs["progress"] + "\n")
             self.calls = getattr(self, "calls", 0) + 1
             if self.calls == 3 and not os.path.exists(self.marker):
                 open(self.marker, "w").close()
                 time.sleep(3600)  # hung: never returns (its process is killed instead)
-            return super().generate_chunk(questions)
+            return super().generate_chunk(questions, **kwargs)
 
     hangs = ray_cluster.remote(HangsOnce).options(num_cpus=0.25, max_restarts=1)
     generators = [
@@ -283,6 +286,13 @@ def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
     assert last["pipeline/generators_hung"] == 1 and last["pipeline/generator_failures"] == 1
     assert last["pipeline/chunks_redone"] >= 1 and last["pipeline/generators_lost"] == 0
     assert (tmp_path / "hung").exists() and time.monotonic() - started < 300
+    titles = (tmp_path / "hung.titles").read_text().splitlines()
+    assert len(titles) >= 3  # one per call, each naming its step and groups
+    for title in titles:
+        found = re.fullmatch(r"step (\d)/4: groups \[(\d+), (\d+)\) on generator0", title)
+        assert found, title
+        step, first, end = map(int, found.groups())
+        assert first // 4 + 1 == step and end - first == 2
     steps = [round(h["time/step_s"], 1) for h in history]
     print(f"\nRECOVERY a hung generator (timeout 15 s): step times {steps} s")
     assert ray_cluster.get(generators[0].get_policy_version.remote()) == 4  # back, current

@@ -56,6 +56,11 @@ def test_a_generators_bar_counts_every_rollout_once(monkeypatch):
     assert bar.desc == "held-out rollouts"
     gen.generate(QUESTIONS)  # no title, no bar
     assert len(bars) == 1
+    batch, summary = gen.generate_chunk(QUESTIONS, progress="step 2/6: groups [4, 6)")
+    assert bars[-1].desc == "step 2/6: groups [4, 6)" and bars[-1].closed
+    assert (
+        bars[-1].count == bars[-1].total == len(batch) == sum(summary["oldest_versions"].values())
+    )
 
 
 def test_a_large_corpus_is_embedded_slice_by_slice_to_the_same_vectors(monkeypatch):
