@@ -70,7 +70,7 @@ class FixedCostGenerator:
         self.policy_version = 0
         self.calls = 0
 
-    def generate_chunk(self, questions, progress=None):
+    def generate_chunk(self, questions, *, progress=None):  # the title is not drawn here
         started = time.perf_counter()
         self.calls += 1
         batch = random_batch(
