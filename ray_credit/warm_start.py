@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -54,6 +54,9 @@ _PROTOCOL_FIELDS = (
     "action_style", "max_turns", "max_new_tokens", "max_observation_tokens",
     "max_context_tokens", "topk",
 )  # fmt: skip
+
+
+RLQuestions = Literal["all", "undemonstrated"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,13 @@ class WarmStartConfig:
     document it read (docs/learning.md)."""
     seed: int = 0
     """Order of the demonstrations, the questions picked and the detours."""
+    rl_questions: RLQuestions = "all"
+    """Which training questions RL draws from after the warm-start: ``"all"``, or
+    ``"undemonstrated"`` (those it did not demonstrate: it fits its demonstrations, so
+    their groups mostly come out all right and carry no advantage). On the embedded task
+    "undemonstrated" doubled the all-wrong groups and lowered held-out EM in both seeds
+    measured (docs/learning.md). Not a setting of the warm-start itself: a saved
+    warm-start is reused whichever is chosen."""
     folder: str | None = None
     """Where the warm-started policy is saved (None: output_dir/name/warm_start). A folder
     that already holds one made with the same settings is reused (a resumed run does);
@@ -99,6 +109,33 @@ class WarmStartConfig:
             raise ValueError(f"warm_start.lr must be a positive finite number, got {self.lr}")
         if not 0.0 <= self.detours <= 1.0:
             raise ValueError(f"warm_start.detours must lie in [0, 1], got {self.detours}")
+
+
+def demonstrated(num_questions: int, cfg: WarmStartConfig) -> list[int]:
+    """Positions, in order, of the training questions the warm-start demonstrates (all of
+    them, or ``cfg.questions`` drawn with ``cfg.seed``)."""
+    if not cfg.questions or cfg.questions >= num_questions:
+        return list(range(num_questions))
+    pick = np.random.default_rng(cfg.seed).choice(num_questions, cfg.questions, replace=False)
+    return sorted(int(i) for i in pick)
+
+
+def rl_questions(questions: Sequence[Mapping[str, Any]], cfg: WarmStartConfig) -> list:
+    """The training questions RL draws from after a warm-start of ``cfg``: every one, or
+    (``cfg.rl_questions == "undemonstrated"``) those the warm-start does not demonstrate.
+    Raises InputError when that leaves none."""
+    if not cfg.enabled or cfg.rl_questions == "all":
+        return list(questions)
+    shown = set(demonstrated(len(questions), cfg))
+    rest = [q for i, q in enumerate(questions) if i not in shown]
+    if not rest:
+        raise InputError(
+            f"warm_start.questions={cfg.questions} demonstrates all {len(questions)} training "
+            "questions, which leaves none for RL under warm_start.rl_questions="
+            f"'undemonstrated'; give warm_start.questions below {len(questions)}, or set "
+            "warm_start.rl_questions=all to train RL on the demonstrated questions too"
+        )
+    return rest
 
 
 # ----------------------------------------------------------------------- the expert
@@ -345,7 +382,8 @@ def warm_start(
     is; one of other settings raises. Returns the manifest."""
     from ray_credit.models import load_model
 
-    made_with = {k: v for k, v in asdict(cfg).items() if k != "folder"}  # where is not how
+    # where it is saved and what RL does after it are not how it is made
+    made_with = {k: v for k, v in asdict(cfg).items() if k not in ("folder", "rl_questions")}
     protocol = {k: getattr(gen, k) for k in _PROTOCOL_FIELDS}
     settings = {"model": model, "warm_start": made_with, "generator": protocol,
                 "questions": [q["question"] for q in questions],
@@ -367,10 +405,7 @@ def warm_start(
             "warm_start.folder to a new folder"
         )
     start = time.perf_counter()
-    chosen = list(questions)
-    if cfg.questions and cfg.questions < len(chosen):
-        pick = np.random.default_rng(cfg.seed).choice(len(chosen), cfg.questions, replace=False)
-        chosen = [chosen[i] for i in sorted(pick)]
+    chosen = [questions[i] for i in demonstrated(len(questions), cfg)]
     policy, tokenizer = load_model(model, device=device)
     demos, counts = demonstrate(
         chosen, titles, tokenizer, retriever, gen, detours=cfg.detours, seed=cfg.seed

@@ -123,6 +123,10 @@ def plot(rows: list[dict], summary: dict, path: Path) -> None:
                 label="train EM")  # fmt: skip
     evals = [(0, summary.get("eval_before")), (summary.get("steps", 0), summary.get("eval_after"))]
     _eval_points(ax, [(s, e) for s, e in evals if e], "s--", "C2", "held-out EM (95% CI)")
+    sampled = [(s, e["sampled"]) for s, e in evals if e and "sampled" in e]
+    if sampled:
+        _eval_points(ax, sampled, "D:", "C4",
+                     f"held-out sampled EM ({sampled[0][1]['samples']} per question)")  # fmt: skip
     if summary.get("eval_base"):
         _eval_points(ax, [(0, summary["eval_base"])], "v", "C3",
                      "held-out EM before the warm-start")  # fmt: skip

@@ -44,7 +44,7 @@ from ray_credit.pipeline.plan import Plan, make_plan, recipe_defaults
 from ray_credit.pipeline.runner import Pipeline, PipelineConfig, checkpoint_state
 from ray_credit.progress import wants_progress
 from ray_credit.storage import StoragePath
-from ray_credit.warm_start import WarmStartConfig, settings_fingerprint
+from ray_credit.warm_start import WarmStartConfig, rl_questions, settings_fingerprint
 
 __all__ = [
     "DataConfig",
@@ -96,7 +96,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Exact match before and after training: greedy, one sample per question."""
+    """Exact match before and after training: greedy, one rollout per question (and,
+    with ``samples``, the sampled EM too)."""
 
     enabled: bool = True
     """Evaluate before and after training."""
@@ -105,6 +106,12 @@ class EvalConfig:
     apart from RL's)."""
     max_new_tokens: int | None = None
     """Token limit per turn (None: the generator's)."""
+    samples: int = 0
+    """Also roll out every held-out question this many times with the generator's
+    sampling settings (temperature, top_p, seed) and report the sampled EM: the mean over
+    the samples, per question, with its paired interval. It measures the sampled policy
+    RL optimizes, and moves with it before a greedy answer flips; it costs about this
+    many times the greedy evaluation. 0: greedy only."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -113,6 +120,8 @@ class EvalConfig:
                 f"eval.max_new_tokens must be >= 1, or null for the generator's, got "
                 f"{self.max_new_tokens}"
             )
+        if self.samples < 0:
+            raise ValueError(f"eval.samples must be >= 0 (0: greedy only), got {self.samples}")
 
 
 @dataclass(frozen=True)
@@ -438,39 +447,56 @@ def question_key(position: int, question: str) -> str:
 
 
 def _eval_summary(batch: Any) -> dict[str, Any]:
-    """Exact match of one rollout per question, overall and per data source (runs where
-    the batch is, in a Ray task)."""
+    """Exact match of the rollouts of each question (one, greedy; or several sampled:
+    then a question's score is the share of its rollouts that are right), overall and per
+    data source (runs where the batch is, in a Ray task)."""
     from ray_credit.stats import proportion_interval
 
-    reward = batch.traj_values("outcome_reward")
-    sources = [s or "unknown" for s in batch.column("data_source").to_pylist()]
+    right = (batch.traj_values("outcome_reward") >= 1.0).astype(np.float64)
     searched = (batch.turn_values("turns.action") == "search").astype(np.int64)
     searches = np.add.reduceat(searched, batch.turn_offsets[:-1]) if len(batch) else searched
+    starts = batch.group_starts if len(batch) else np.zeros(0, np.int64)
+    sizes = batch.group_sizes if len(batch) else np.zeros(0, np.int64)
+    # groups in the order of the questions given (a generator emits them in that order)
+    score = np.add.reduceat(right, starts) / sizes if len(batch) else right
+    search = np.add.reduceat(searches, starts) / sizes if len(batch) else searches
+    sources = [s or "unknown" for s in batch.column("data_source").to_pylist()]
+    sources = [sources[i] for i in starts]
+    questions = batch.column("question").to_pylist()
+    keys = [question_key(g, questions[i]) for g, i in enumerate(starts)]
     per_source: dict[str, list[float]] = {}
     searches_by_source: dict[str, list[float]] = {}
-    for source, r, s in zip(sources, reward, searches, strict=True):
-        per_source.setdefault(source, []).append(float(r >= 1.0))
+    for source, r, s in zip(sources, score, search, strict=True):
+        per_source.setdefault(source, []).append(float(r))
         searches_by_source.setdefault(source, []).append(float(s))
-    keys = [question_key(i, q) for i, q in enumerate(batch.column("question").to_pylist())]
-    correct = [int(r >= 1.0) for r in reward]
+    samples = int(sizes.max()) if len(batch) else 1
     m, n = batch.metrics, max(len(batch), 1)
     return {
-        "em": float((reward >= 1.0).mean()),
-        "em_interval": list(proportion_interval(sum(correct), len(correct))) if correct else None,
+        "em": float(right.mean()) if len(batch) else 0.0,
+        # a Wilson interval holds for one rollout per question (its outcomes independent)
+        "em_interval": list(proportion_interval(int(right.sum()), len(right)))
+        if len(batch) and samples == 1
+        else None,
         "em_by_source": {k: float(np.mean(v)) for k, v in sorted(per_source.items())},
         "count_by_source": {k: len(v) for k, v in sorted(per_source.items())},
-        "correct": dict(zip(keys, correct, strict=True)),
+        "correct": dict(
+            zip(keys, [float(v) if samples > 1 else int(v) for v in score], strict=True)
+        ),
         "source": dict(zip(keys, sources, strict=True)),
         "answered": m.get("gen/answered", 0.0) / n,
         "searches_per_traj": m.get("gen/searches", 0.0) / n,
         "searches_by_source": {k: float(np.mean(v)) for k, v in sorted(searches_by_source.items())},
-        "questions": len(batch),
+        "questions": len(keys),
+        "samples": samples,
     }
 
 
 def _eval_metrics(result: Mapping[str, Any]) -> dict[str, float]:
     low, high = result.get("em_interval") or (result["em"], result["em"])
-    return {"eval/em": result["em"], "eval/em_low": low, "eval/em_high": high}
+    metrics = {"eval/em": result["em"], "eval/em_low": low, "eval/em_high": high}
+    if "sampled" in result:
+        metrics["eval/em_sampled"] = result["sampled"]["em"]
+    return metrics
 
 
 def eval_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, dict]:
@@ -488,8 +514,14 @@ def eval_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str
     return change
 
 
-def describe_change(before: Mapping, after: Mapping, change: Mapping[str, dict]) -> str:
-    """Lines saying how held-out EM moved, with the paired interval, overall and per source."""
+def describe_change(
+    before: Mapping,
+    after: Mapping,
+    change: Mapping[str, dict],
+    title: str = "held-out EM, paired on the same questions",
+) -> str:
+    """Lines saying how held-out EM moved, with the paired interval, overall and per
+    source, under ``title``."""
     lines = []
     for name, c in change.items():
         em_b = before["em"] if name == "all" else before["em_by_source"][name]
@@ -500,7 +532,7 @@ def describe_change(before: Mapping, after: Mapping, change: Mapping[str, dict])
             f"[95% CI {c['low']:+.3f}, {c['high']:+.3f}; {verdict}]  n={c['n']} "
             f"({c['better']} better, {c['worse']} worse){_searches(before, after, name)}"
         )
-    return "held-out EM, paired on the same questions:\n" + "\n".join(lines)
+    return f"{title}:\n" + "\n".join(lines)
 
 
 def _searches(before: Mapping, after: Mapping, name: str) -> str:
@@ -734,11 +766,12 @@ def train(cfg: Any, estimator: str) -> dict:
     run_dir = _run_storage(cfg, out)  # the checkpoints, and a copy of the outputs
     # Data and the method's plan: everything that can be refused is refused here.
     corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.pipeline.seed)
-    plan = make_plan(cfg, estimator, train_q)
+    titles = _checked_demonstrations(cfg, corpus, train_q) if cfg.warm_start.enabled else {}
+    rl_q = rl_questions(train_q, cfg.warm_start)  # all, or those not demonstrated
+    plan = make_plan(cfg, estimator, rl_q)
     for departure in plan.departures:
         log.info(f"note: departs from {estimator}'s recipe: {departure}")
-    titles = _checked_demonstrations(cfg, corpus, train_q) if cfg.warm_start.enabled else {}
-    _preflight(cfg, train_q)
+    _preflight(cfg, rl_q)
     resumed_step, previous = None, {}
     if cfg.resume is not None:  # the newest whole checkpoint in the folder given
         cfg = replace(cfg, resume=str(check_resume_folder(cfg.resume)))
@@ -748,7 +781,11 @@ def train(cfg: Any, estimator: str) -> dict:
     # Services: retriever, judges, scorer, generators, learner.
     ray = connect(cfg)
     _warn_if_short(ray, cfg, plan)
-    log.info(f"data: {len(train_q)} training questions, {len(eval_q)} held out")
+    log.info(
+        f"data: {len(train_q)} training questions, {len(eval_q)} held out"
+        + (f"; RL draws from the {len(rl_q)} the warm-start does not demonstrate"
+           if len(rl_q) < len(train_q) else "")
+    )  # fmt: skip
     retriever = make_retriever(corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder)
     logger = Logger(cfg, out, resumed_step=resumed_step, wandb_id=previous.get("wandb_id"))
     summary: dict[str, Any] = {
@@ -771,7 +808,7 @@ def train(cfg: Any, estimator: str) -> dict:
     summary["policy"] = cfg.model  # what every actor below loads
     judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
     scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
-    train_q = with_reference_plans(plan, judges, train_q, out / "reference_plans.jsonl")
+    rl_q = with_reference_plans(plan, judges, rl_q, out / "reference_plans.jsonl")
     generators = make_generators(cfg.model, retriever, cfg, cfg.generator, prefix="gen")
     learner = make_learner(cfg)
     # Evaluation before training (a resumed run: the first run's, or the resumed policy's).
@@ -799,7 +836,7 @@ def train(cfg: Any, estimator: str) -> dict:
     pipeline = Pipeline(
         generators,
         learner,
-        train_q,
+        rl_q,
         stages,
         pipe_cfg,
         step_stages=step_stages,
@@ -852,11 +889,21 @@ def _report_change(summary: dict, logger: Any, step: int) -> None:
         warm = describe_change(summary["eval_base"], before, summary["eval_change_warm_start"])
         log.info(f"the warm-start's part ({warm})")
     change = summary["eval_change"]["all"]
-    logger.log(
-        {"eval/em_change": change["diff"], "eval/em_change_low": change["low"],
-         "eval/em_change_high": change["high"]},
-        step=step,
-    )  # fmt: skip
+    metrics = {"eval/em_change": change["diff"], "eval/em_change_low": change["low"],
+               "eval/em_change_high": change["high"]}  # fmt: skip
+    if "sampled" in before and "sampled" in after:
+        b, a = before["sampled"], after["sampled"]
+        summary["eval_change_sampled"] = eval_change(b, a)
+        log.info(describe_change(
+            b, a, summary["eval_change_sampled"],
+            f"held-out sampled EM ({b['samples']} samples per question), paired on the same "
+            "questions (better/worse: questions whose share of right samples rose/fell)",
+        ))  # fmt: skip
+        sampled = summary["eval_change_sampled"]["all"]
+        metrics |= {"eval/em_sampled_change": sampled["diff"],
+                    "eval/em_sampled_change_low": sampled["low"],
+                    "eval/em_sampled_change_high": sampled["high"]}  # fmt: skip
+    logger.log(metrics, step=step)
 
 
 def _run_storage(cfg: Any, out: Path) -> StoragePath:
@@ -1095,29 +1142,49 @@ def _evaluate_policy(
     cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str
 ) -> dict:
     """Exact match of a greedy generator on the learner's current weights (no learner:
-    ``cfg.model``'s own); the generator lives only for the evaluation, so it holds no
-    resources while training."""
-    import ray
-
-    t0 = time.perf_counter()
+    ``cfg.model``'s own) and, with ``eval.samples``, of ``eval.samples`` sampled rollouts
+    per question (under ``"sampled"``); each generator lives only for its evaluation, so
+    it holds no resources while training."""
     greedy = replace(
         cfg.generator,
         temperature=0.0,
         group_size=1,
         max_new_tokens=cfg.eval.max_new_tokens or cfg.generator.max_new_tokens,
     )
+    result = _rollout_evaluation(cfg, retriever, learner, questions, when, greedy)
+    if cfg.eval.samples:
+        sampled = replace(greedy, temperature=cfg.generator.temperature,
+                          group_size=cfg.eval.samples)  # fmt: skip
+        result["sampled"] = _rollout_evaluation(
+            cfg, retriever, learner, questions, when, sampled, what="sampled EM"
+        )
+    return result
+
+
+def _rollout_evaluation(
+    cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str, gen: Any,
+    what: str = "EM",
+) -> dict:  # fmt: skip
+    """One evaluation of :func:`_evaluate_policy`: ``gen``'s rollouts of ``questions``
+    (kept in the warm-started policy's folder, and reused from there, at version 0)."""
+    import ray
+
+    t0 = time.perf_counter()
     version = learner.policy_version if learner is not None else 0
-    cached = _evaluation_file(cfg, greedy, questions) if version == 0 else None
+    cached = _evaluation_file(cfg, gen, questions) if version == 0 else None
+    how = "" if gen.group_size == 1 else (
+        f" ({gen.group_size} samples each at temperature {gen.temperature:g})"
+    )  # fmt: skip
     if cached is not None and cached.is_file():
         result = json.loads(cached.read_text())
         log.info(
-            f"eval {when}: EM {result['em']:.3f} on {len(questions)} held-out questions (policy "
-            f"version 0: the greedy evaluation of the same policy, questions and settings "
-            f"saved in {cached})",
+            f"eval {when}: {what} {result['em']:.3f} on {len(questions)} held-out questions"
+            f"{how} (policy version 0: the evaluation of the same policy, questions and "
+            f"settings saved in {cached})",
         )
         return {**result, "reused": str(cached)}
     (actor,) = make_generators(
-        cfg.model, retriever, cfg, greedy, prefix=None, count=1, num_cpus=cfg.resources.eval_cpus
+        cfg.model, retriever, cfg, gen, prefix=None, count=1, num_cpus=cfg.resources.eval_cpus
     )
     if version > 0:
         ray.get(
@@ -1131,14 +1198,14 @@ def _evaluate_policy(
         partial.write_text(json.dumps(result))
         partial.rename(cached)  # whole or absent
     log.info(
-        f"eval {when}: EM {result['em']:.3f} on {len(questions)} held-out questions (policy "
-        f"version {version}, {time.perf_counter() - t0:.0f}s)",
+        f"eval {when}: {what} {result['em']:.3f} on {len(questions)} held-out questions{how} "
+        f"(policy version {version}, {time.perf_counter() - t0:.0f}s)",
     )
     return result
 
 
-def _evaluation_file(cfg: Any, greedy: Any, questions: list[dict]) -> Path | None:
-    """Where the greedy evaluation of a warm-started policy (unchanged since it was saved)
+def _evaluation_file(cfg: Any, gen: Any, questions: list[dict]) -> Path | None:
+    """Where the evaluation of a warm-started policy (unchanged since it was saved)
     on ``questions`` is kept, in the policy's folder, named by a fingerprint of everything
     that decides it: the warm start's own fingerprint, the questions and their answers,
     the generator, retriever and data settings. Runs of several methods from one warm
@@ -1150,7 +1217,7 @@ def _evaluation_file(cfg: Any, greedy: Any, questions: list[dict]) -> Path | Non
     settings = {
         "warm_start": json.loads(manifest.read_text())["fingerprint"],
         "questions": [[q["question"], list(q.get("golden_answers") or ())] for q in questions],
-        "generator": asdict(greedy),
+        "generator": asdict(gen),
         "retriever": asdict(cfg.retriever),
         "data": asdict(cfg.data),
     }

@@ -77,7 +77,9 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     machine without the outputs continues the run, its history included."""
     bucket = f"file://{tmp_path}/bucket"
     stdout = run(
-        "tspo.py", [*SMALL, "--output_dir", str(tmp_path), "--storage_path", bucket], ray_cluster
+        "tspo.py",
+        [*SMALL, "--output_dir", str(tmp_path), "--storage_path", bucket, "--eval.samples", "2"],
+        ray_cluster,
     )
     out, stored = tmp_path / "tspo", tmp_path / "bucket" / "tspo"
     assert "eval before training: EM" in stdout and "step 2/2" in stdout
@@ -91,6 +93,11 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     assert summary["policy"] == str(stored / "warm_start")  # on storage every node sees
     assert "held-out EM, paired on the same questions" in stdout
     assert summary["eval_change"]["all"]["n"] == 4  # the same 4 questions, before and after
+    # eval.samples: 2 sampled rollouts per question too, paired the same way
+    assert summary["eval_before"]["sampled"]["samples"] == 2
+    assert set(summary["eval_after"]["sampled"]["correct"]) == set(summary["eval_after"]["correct"])
+    assert "held-out sampled EM (2 samples per question)" in stdout
+    assert summary["eval_change_sampled"]["all"]["n"] == 4
     assert (out / "plot.png").stat().st_size > 1000
     assert summary["checkpoint"] == f"{bucket}/tspo/checkpoint"
     assert [step for step, _ in checkpoints(summary["checkpoint"])] == [2]
@@ -119,6 +126,7 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     # policy's), paired with the evaluation after step 3; one wandb run; every step once
     assert "kept from" in stdout and summary["eval_before"] == first["eval_before"]
     assert summary["eval_change"]["all"]["n"] == 4
+    assert summary["eval_change_sampled"]["all"]["n"] == 4  # eval.samples came with the config
     assert summary["wandb_id"] == first["wandb_id"] is not None
     assert [s["step"] for s in summary["starts"]] == [0, 2]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

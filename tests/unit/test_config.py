@@ -268,6 +268,7 @@ def test_config_classes_refuse_values_out_of_range():
         (RetrieverConfig, {"timeout_s": -5.0}, "retriever.timeout_s must be a finite number"),
         (RetrieverConfig, {"url": "localhost:8000"}, "must be an http:// or https:// URL"),
         (EvalConfig, {"max_new_tokens": 0}, "eval.max_new_tokens must be >= 1"),
+        (EvalConfig, {"samples": -1}, "eval.samples must be >= 0"),
         (DataConfig, {"corpus": "c.jsonl"}, "data.corpus='c.jsonl' is set but data.questions"),
         (RunConfig, {"name": ""}, "name='' must be a plain folder name"),
         (RunConfig, {"name": "../../etc"}, "must be a plain folder name"),

@@ -12,13 +12,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from ray_credit.actors.generator import Generator, GeneratorConfig  # noqa: E402
+from ray_credit.config import InputError  # noqa: E402
 from ray_credit.models import load_model, load_tokenizer  # noqa: E402
 from ray_credit.warm_start import (  # noqa: E402
     ScriptedSampler,
     WarmStartConfig,
     _trained,
     demonstrate,
+    demonstrated,
     expert_turns,
+    rl_questions,
     warm_start,
 )
 
@@ -178,6 +181,12 @@ def test_warm_start_trains_saves_a_loadable_policy_and_is_reused(tmp_path):
     again = warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
                        GEN, cfg, str(folder))  # fmt: skip
     assert again["reused"] and again["fingerprint"] == made["fingerprint"]
+    # what RL draws from afterwards is not how the warm start is made
+    rl_other = WarmStartConfig(
+        enabled=True, epochs=4, lr=3e-3, batch_size=2, rl_questions="undemonstrated"
+    )
+    assert warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
+                      GEN, rl_other, str(folder))["reused"]  # fmt: skip
     # sampling settings do not shape a demonstration: still the same warm start
     sampling = GeneratorConfig(**{**GEN.__dict__, "group_size": 8, "temperature": 0.7})
     assert warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
@@ -197,9 +206,51 @@ def test_warm_start_trains_saves_a_loadable_policy_and_is_reused(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "a user's file"
 
 
+def test_rl_draws_from_the_questions_the_warm_start_does_not_demonstrate():
+    questions = [{"question": f"q{i}"} for i in range(50)]
+    cfg = WarmStartConfig(enabled=True, questions=20, seed=3, rl_questions="undemonstrated")
+    shown = demonstrated(len(questions), cfg)
+    assert len(shown) == 20 and shown == sorted(set(shown))
+    assert shown == demonstrated(len(questions), cfg)  # seeded
+    assert shown != demonstrated(len(questions), WarmStartConfig(questions=20, seed=4))
+    rest = rl_questions(questions, cfg)
+    assert len(rest) == 30
+    assert {q["question"] for q in rest}.isdisjoint({f"q{i}" for i in shown})
+    assert [q["question"] for q in rest] == [f"q{i}" for i in range(50) if i not in shown]
+    # all of them: with rl_questions="all", or with no warm-start at all
+    assert rl_questions(questions, WarmStartConfig(enabled=True, questions=20,
+                                                   rl_questions="all")) == questions  # fmt: skip
+    assert rl_questions(questions, WarmStartConfig(enabled=True, questions=20)) == questions
+    assert (
+        rl_questions(
+            questions, WarmStartConfig(enabled=False, questions=20, rl_questions="undemonstrated")
+        )
+        == questions
+    )
+    # the warm-start demonstrates each question it draws, and only those
+    assert demonstrated(50, WarmStartConfig(questions=0)) == list(range(50))
+    assert demonstrated(50, WarmStartConfig(questions=80)) == list(range(50))
+
+
+def test_a_warm_start_of_every_question_leaves_rl_none_and_says_what_to_set():
+    questions = [{"question": f"q{i}"} for i in range(5)]
+    for n in (0, 5):
+        with pytest.raises(InputError, match="leaves none for RL.*rl_questions=all"):
+            rl_questions(
+                questions, WarmStartConfig(enabled=True, questions=n, rl_questions="undemonstrated")
+            )
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("epochs", 0), ("batch_size", 0), ("questions", -1), ("lr", 0.0), ("autocast", "int8")],
+    [
+        ("epochs", 0),
+        ("batch_size", 0),
+        ("questions", -1),
+        ("lr", 0.0),
+        ("autocast", "int8"),
+        ("rl_questions", "some"),
+    ],
 )
 def test_warm_start_config_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
