@@ -4,6 +4,8 @@
     python bench/learning.py --methods grpo,tspo --seeds 0,1,2,3,4
     python bench/learning.py --quick                # smoke test: tiny-random, 1 step, 1 seed
     python bench/learning.py --set pipeline.steps=12 --set learner.lr=3e-5
+    python bench/learning.py --methods tspo --set learner.lr=3e-5 --runs-dir runs/lr3e-5 \
+        --against runs/study/runs.jsonl             # a setting against the study's runs
 
 Each (method, seed) is one training run of ``pipelines/<method>.py`` on its paper's
 recipe, with the embedded settings (``pipelines/configs/embedded.yaml``) plus any
@@ -21,6 +23,13 @@ across seeds), the share of all-wrong groups and of zero-advantage groups, searc
 question by hop type, and wall time per run. Writes JSON (``--out``), the tables as
 Markdown beside it, and one PNG (``--plot``): reward curves with bands, and every seed's
 paired change with the mean and its interval.
+
+``--against RUNS.jsonl`` (the record of another study, made with other settings) measures
+a setting: each method's EM after training minus the same method's EM after training in
+that study, on the same seeds' held-out questions (paired bootstrap, pooled over the
+seeds both studies ran). Runs share their warm-start when both studies were given the
+same one (``--runs-dir`` holding the other's ``warm_start-seedN`` folders, or links to
+them), so that the difference is the setting's alone.
 
 The runs go seed by seed (every method of seed 0, then of seed 1, ...), and each finished
 run is recorded in ``<runs-dir>/runs.jsonl`` as it ends. Started again with the same
@@ -71,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="a setting for every run (repeatable), e.g. pipeline.steps=12",
     )  # fmt: skip
+    parser.add_argument(
+        "--against", type=Path, default=None, metavar="RUNS.jsonl",
+        help="another study's record: each method's EM after training is compared with "
+        "that study's same method and seeds, question by question",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: " + " ".join(QUICK))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learning.json")
     parser.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
@@ -97,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--set takes SECTION.FIELD=VALUE, got {item!r}")
         if item.split("=", 1)[0] in ("name", "output_dir", "wandb", "resume"):
             parser.error(f"--set {item}: the study names and places its runs (--runs-dir)")
+    against = {}
+    if args.against is not None:
+        try:
+            against = recorded_runs(args.against, None)
+        except (OSError, ValueError) as err:
+            parser.error(f"--against {args.against}: {err}")
+        if not against:
+            parser.error(f"--against {args.against}: no such study record (runs.jsonl)")
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -135,6 +157,16 @@ def main(argv: list[str] | None = None) -> int:
                 part: pooled(runs[method], runs[BASELINE], source=None if part == "all" else part)
                 for part in parts
             }
+    if against:  # each method against its own runs of the other study, paired
+        report["against"] = {"record": str(args.against.resolve()),
+                             "settings": next(iter(against.values()))["settings"]}  # fmt: skip
+        for method, agg in report["methods"].items():
+            theirs = [run for (m, _), run in sorted(against.items()) if m == method]
+            parts = ["all", *agg["em_after_by_source"]]
+            agg["vs_against"] = {
+                part: pooled(runs[method], theirs, source=None if part == "all" else part)
+                for part in parts
+            }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot_path = args.plot or args.out.with_suffix(".png")
@@ -149,14 +181,17 @@ def main(argv: list[str] | None = None) -> int:
 RECORD = "runs.jsonl"
 
 
-def recorded_runs(path: Path, settings: list[str]) -> dict[tuple[str, int], dict]:
+def recorded_runs(path: Path, settings: list[str] | None) -> dict[tuple[str, int], dict]:
     """The finished runs recorded in ``path`` by an earlier start of this study, by
-    (method, seed). Runs of other settings are refused: they would not be comparable."""
+    (method, seed). Runs of other settings are refused: they would not be comparable
+    (``settings`` None: another study's record, read whatever its settings, which each
+    run then carries)."""
     if not path.is_file():
         return {}
     text = path.read_text()
-    if text and not text.endswith("\n"):  # cut off while written: the next record must
-        path.write_text(text[: text.rfind("\n") + 1])  # not be glued onto the fragment
+    if settings is not None and text and not text.endswith("\n"):
+        # cut off while written: the next record must not be glued onto the fragment
+        path.write_text(text[: text.rfind("\n") + 1])
     done = {}
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -172,13 +207,15 @@ def recorded_runs(path: Path, settings: list[str]) -> dict[tuple[str, int], dict
                 "method, settings, seed, ... per line); remove the line or give another "
                 "--runs-dir"
             )
-        if row["settings"] != settings:
+        if settings is not None and row["settings"] != settings:
             raise ValueError(
                 f"{path} records runs with the settings {row['settings']}, not {settings}; "
                 "give the same --set (and --quick) as the study that made it, or another "
                 "--runs-dir"
             )
         run = {k: v for k, v in row.items() if k not in ("method", "settings")}
+        if settings is None:
+            run["settings"] = row["settings"]
         folder = path.parent / run_name(row["method"], run["seed"])
         if (folder / "summary.json").is_file():  # read again: figures added since count too
             run = {**run, **collect(folder, row["method"])}
@@ -247,6 +284,17 @@ def collect(folder: Path, method: str) -> dict:
         "correct_before": before["correct"],
         "correct_after": after["correct"],
         "source": before["source"],
+        # eval.samples: each question's share of right samples, before and after
+        **(
+            {
+                "sampled_before": before["sampled"]["correct"],
+                "sampled_after": after["sampled"]["correct"],
+                "em_sampled_before": before["sampled"]["em"],
+                "em_sampled_after": after["sampled"]["em"],
+            }
+            if "sampled" in before and "sampled" in after
+            else {}
+        ),
         "reward": [r.get("train/reward_mean", 0.0) for r in rows],
         "groups_all_wrong": [r.get("train/groups_all_wrong", math.nan) for r in rows],
         "groups_zero_advantage": [r.get("train/groups_zero_advantage", math.nan) for r in rows],
@@ -295,31 +343,44 @@ def aggregate(runs: list[dict]) -> dict:
         part: pooled(runs, source=None if part == "all" else part) for part in ["all", *sources]
     }
     out["seconds_per_run"] = mean(r["seconds"] for r in runs)
+    if runs and all("sampled_after" in r for r in runs):
+        out["em_sampled_change_pooled"] = {
+            part: pooled(runs, source=None if part == "all" else part, sampled=True)
+            for part in ["all", *sources]
+        }
     return out
 
 
-def pooled(runs: list[dict], baseline: list[dict] | None = None, *, source: str | None = None):
+def pooled(
+    runs: list[dict],
+    baseline: list[dict] | None = None,
+    *,
+    source: str | None = None,
+    sampled: bool = False,
+):
     """The paired change of held-out EM over every seed's questions at once (a pair per
     seed and question, ``source``'s questions only when given), with its 95 % bootstrap
     interval (:func:`ray_credit.stats.paired_difference`): EM after training minus before
     it, or, with ``baseline`` (another method's runs), minus the baseline's EM after
     training on the same seed, whose held-out questions and warm-start are the same.
     None where a run has no per-question outcomes (recorded before they were kept) or no
-    seed is shared."""
+    seed is shared. ``sampled``: the same of the sampled EM (``eval.samples``: a
+    question's score is its share of right samples)."""
     from ray_credit.stats import paired_difference
 
+    kind = "sampled" if sampled else "correct"
     by_seed = {r["seed"]: r for r in baseline or []}
     first, second = {}, {}
     for run in runs:
-        if "correct_after" not in run:
+        if f"{kind}_after" not in run:
             return None
         if baseline is None:
-            reference = run["correct_before"]
-        elif run["seed"] in by_seed and "correct_after" in by_seed[run["seed"]]:
-            reference = by_seed[run["seed"]]["correct_after"]
+            reference = run[f"{kind}_before"]
+        elif run["seed"] in by_seed and f"{kind}_after" in by_seed[run["seed"]]:
+            reference = by_seed[run["seed"]][f"{kind}_after"]
         else:
             continue
-        for question, after in run["correct_after"].items():
+        for question, after in run[f"{kind}_after"].items():
             if source is None or run["source"][question] == source:
                 first[f"{run['seed']}:{question}"] = reference[question]
                 second[f"{run['seed']}:{question}"] = after
@@ -394,11 +455,40 @@ def table(report: dict) -> str:
             versus = agg.get("vs_baseline") or {}
             row += [_paired(versus.get(p)) if method != baseline else "-" for p in parts]
         pooled_lines.append("| " + " | ".join(row) + " |")
-    return (
+    text = (
         "\n".join(lines)
         + "\n\nPooled over the seeds (a pair per seed and held-out question; 95 % paired "
         "bootstrap interval; questions better / worse):\n\n" + "\n".join(pooled_lines)
     )
+    sampled = {m: agg["em_sampled_change_pooled"] for m, agg in methods.items()
+               if "em_sampled_change_pooled" in agg}  # fmt: skip
+    if sampled:
+        head = ["method", *(f"{p} sampled EM change" for p in parts)]
+        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for method, changes in sampled.items():
+            rows.append(
+                "| " + " | ".join([method, *(_paired(changes.get(p)) for p in parts)]) + " |"
+            )
+        text += (
+            "\n\nSampled EM (eval.samples rollouts per question; a question scores its share "
+            "of right samples), pooled the same way (questions whose share rose / fell):\n\n"
+            + "\n".join(rows)
+        )
+    against = report.get("against")
+    if against:
+        theirs = " ".join(against["settings"]) or "the embedded settings"
+        head = ["method", *(f"{p}: after - after with {theirs}" for p in parts)]
+        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for method, agg in methods.items():
+            versus = agg.get("vs_against") or {}
+            rows.append(
+                "| " + " | ".join([method, *(_paired(versus.get(p)) for p in parts)]) + " |"
+            )
+        text += (
+            f"\n\nAgainst {against['record']} (the same method and seeds with {theirs}; "
+            "paired on the same questions):\n\n" + "\n".join(rows)
+        )
+    return text
 
 
 def _paired(change: dict | None) -> str:

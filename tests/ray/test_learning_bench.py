@@ -130,3 +130,49 @@ def test_pooled_changes_pair_by_seed_and_question():
     assert (one_hop["n"], one_hop["better"], one_hop["worse"]) == (4, 3, 0)
     assert pooled(tspo, [run(7, [0], [1])]) is None  # no seed in common
     assert pooled([{k: v for k, v in tspo[0].items() if k != "correct_after"}]) is None
+
+
+def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch, capsys):
+    """--against: each method's EM after training minus the same method's in another
+    study (other settings), paired on the same seed and question; that study's record is
+    read, whatever its settings, and left as it is."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+
+    def fake_run(method, seed, settings, runs_dir):
+        lr = settings[0]  # the second study's setting gets one more question of four right
+        after = [1, 0, 0, 1] if lr == "learner.lr=1e-5" else [1, 1, 0, 1]
+        keys = [f"q{i}" for i in range(4)]
+        change = {"diff": 0.0, "low": -1, "high": 1}
+        return {"seed": seed, "seconds": 1.0, "em_before": 0.5, "em_after": sum(after) / 4,
+                "em_before_by_source": {"1hop": 0.5}, "em_after_by_source": {"1hop": 0.5},
+                "em_change": change, "em_change_by_source": {"1hop": change},
+                "correct_before": dict(zip(keys, [1, 0, 0, 1], strict=True)),
+                "correct_after": dict(zip(keys, after, strict=True)),
+                "source": dict.fromkeys(keys, "1hop"), "reward": [0.1],
+                "groups_all_wrong": [0.5], "groups_zero_advantage": [0.5],
+                "estimator_counters": {}}  # fmt: skip
+
+    monkeypatch.setattr(learning, "run_one", fake_run)
+    monkeypatch.setattr(learning, "plot_curves", lambda report, path: path.write_text("png"))
+    first = tmp_path / "first"
+    argv = ["--methods", "tspo", "--seeds", "0,1", "--set", "learner.lr=1e-5",
+            "--runs-dir", str(first), "--out", str(tmp_path / "a.json")]  # fmt: skip
+    assert learning.main(argv) == 0
+    record = (first / "runs.jsonl").read_text()
+    (first / "runs.jsonl").write_text(record + '{"method": "tspo", "se')  # cut off
+    argv = ["--methods", "tspo", "--seeds", "0,1,2", "--set", "learner.lr=3e-5",
+            "--runs-dir", str(tmp_path / "second"), "--out", str(tmp_path / "b.json"),
+            "--against", str(first / "runs.jsonl")]  # fmt: skip
+    assert learning.main(argv) == 0
+    assert (first / "runs.jsonl").read_text() == record + '{"method": "tspo", "se'  # untouched
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["against"]["settings"] == ["learner.lr=1e-5"]
+    versus = report["methods"]["tspo"]["vs_against"]["all"]
+    # seeds 0 and 1 only (seed 2 is not in the other study): 8 pairs, 2 better, 0 worse
+    assert (versus["n"], versus["better"], versus["worse"]) == (8, 2, 0)
+    assert versus["diff"] == pytest.approx(0.25)
+    assert "after with learner.lr=1e-5" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        learning.main([*argv[:-1], str(tmp_path / "nowhere.jsonl")])
+    assert "no such study record" in capsys.readouterr().err
