@@ -1179,8 +1179,8 @@ def _rollout_evaluation(
         result = json.loads(cached.read_text())
         log.info(
             f"eval {when}: {what} {result['em']:.3f} on {len(questions)} held-out questions"
-            f"{how} (policy version 0: the evaluation of the same policy, questions and "
-            f"settings saved in {cached})",
+            f"{how} (policy version 0: the {'greedy' if gen.group_size == 1 else 'sampled'} "
+            f"evaluation of the same policy, questions and settings saved in {cached})",
         )
         return {**result, "reused": str(cached)}
     (actor,) = make_generators(
