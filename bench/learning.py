@@ -421,7 +421,7 @@ def table(report: dict) -> str:
     head += [f"{s} change" for s in sources]
     head += ["seeds +/-", "all-wrong", "zero-adv", "searches (" + " / ".join(sources) + ")"]
     head += ["s/run"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for method, agg in methods.items():
         searches = agg.get("searches_after_by_source") or {}
         row = [
@@ -442,53 +442,53 @@ def table(report: dict) -> str:
             " / ".join(_fmt(searches.get(s), "{:.2f}") for s in sources),
             f"{agg['seconds_per_run']:.0f}",
         ]
-        lines.append("| " + " | ".join(row) + " |")
+        rows.append(row)
+    lines = _markdown(head, rows)
     baseline = report.get("baseline")
     parts = ["all", *sources]
     head = ["method", *(f"{p} change" for p in parts)]
     if baseline:
         head += [f"{p}: after - {baseline}'s after" for p in parts]
-    pooled_lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for method, agg in methods.items():
         row = [method, *(_paired(agg["em_change_pooled"].get(p)) for p in parts)]
         if baseline:
             versus = agg.get("vs_baseline") or {}
             row += [_paired(versus.get(p)) if method != baseline else "-" for p in parts]
-        pooled_lines.append("| " + " | ".join(row) + " |")
+        rows.append(row)
     text = (
-        "\n".join(lines)
-        + "\n\nPooled over the seeds (a pair per seed and held-out question; 95 % paired "
-        "bootstrap interval; questions better / worse):\n\n" + "\n".join(pooled_lines)
+        lines + "\n\nPooled over the seeds (a pair per seed and held-out question; 95 % paired "
+        "bootstrap interval; questions better / worse):\n\n" + _markdown(head, rows)
     )
     sampled = {m: agg["em_sampled_change_pooled"] for m, agg in methods.items()
                if "em_sampled_change_pooled" in agg}  # fmt: skip
     if sampled:
         head = ["method", *(f"{p} sampled EM change" for p in parts)]
-        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for method, changes in sampled.items():
-            rows.append(
-                "| " + " | ".join([method, *(_paired(changes.get(p)) for p in parts)]) + " |"
-            )
+        rows = [[m, *(_paired(changes.get(p)) for p in parts)] for m, changes in sampled.items()]
         text += (
             "\n\nSampled EM (eval.samples rollouts per question; a question scores its share "
             "of right samples), pooled the same way (questions whose share rose / fell):\n\n"
-            + "\n".join(rows)
+            + _markdown(head, rows)
         )
     against = report.get("against")
     if against:
         theirs = " ".join(against["settings"]) or "the embedded settings"
         head = ["method", *(f"{p}: after - after with {theirs}" for p in parts)]
-        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for method, agg in methods.items():
-            versus = agg.get("vs_against") or {}
-            rows.append(
-                "| " + " | ".join([method, *(_paired(versus.get(p)) for p in parts)]) + " |"
-            )
+        rows = [
+            [m, *(_paired((agg.get("vs_against") or {}).get(p)) for p in parts)]
+            for m, agg in methods.items()
+        ]
         text += (
             f"\n\nAgainst {against['record']} (the same method and seeds with {theirs}; "
-            "paired on the same questions):\n\n" + "\n".join(rows)
+            "paired on the same questions):\n\n" + _markdown(head, rows)
         )
     return text
+
+
+def _markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: the header, its rule and one line per row."""
+    lines = ["| " + " | ".join(cells) + " |" for cells in (head, *rows)]
+    return "\n".join([lines[0], "|" + "---|" * len(head), *lines[1:]])
 
 
 def _paired(change: dict | None) -> str:

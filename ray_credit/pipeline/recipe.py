@@ -456,10 +456,12 @@ def _eval_summary(batch: Any) -> dict[str, Any]:
     searched = (batch.turn_values("turns.action") == "search").astype(np.int64)
     searches = np.add.reduceat(searched, batch.turn_offsets[:-1]) if len(batch) else searched
     starts = batch.group_starts if len(batch) else np.zeros(0, np.int64)
-    sizes = batch.group_sizes if len(batch) else np.zeros(0, np.int64)
-    # groups in the order of the questions given (a generator emits them in that order)
-    score = np.add.reduceat(right, starts) / sizes if len(batch) else right
-    search = np.add.reduceat(searches, starts) / sizes if len(batch) else searches
+
+    def per_question(values: np.ndarray) -> np.ndarray:
+        """Mean over each question's rollouts (groups come in the order of the questions)."""
+        return np.add.reduceat(values, starts) / batch.group_sizes if len(batch) else values
+
+    score, search = per_question(right), per_question(searches)
     sources = [s or "unknown" for s in batch.column("data_source").to_pylist()]
     sources = [sources[i] for i in starts]
     questions = batch.column("question").to_pylist()
@@ -469,7 +471,7 @@ def _eval_summary(batch: Any) -> dict[str, Any]:
     for source, r, s in zip(sources, score, search, strict=True):
         per_source.setdefault(source, []).append(float(r))
         searches_by_source.setdefault(source, []).append(float(s))
-    samples = int(sizes.max()) if len(batch) else 1
+    samples = int(batch.group_sizes.max()) if len(batch) else 1
     m, n = batch.metrics, max(len(batch), 1)
     return {
         "em": float(right.mean()) if len(batch) else 0.0,
@@ -1155,16 +1157,13 @@ def _evaluate_policy(
     if cfg.eval.samples:
         sampled = replace(greedy, temperature=cfg.generator.temperature,
                           group_size=cfg.eval.samples)  # fmt: skip
-        result["sampled"] = _rollout_evaluation(
-            cfg, retriever, learner, questions, when, sampled, what="sampled EM"
-        )
+        result["sampled"] = _rollout_evaluation(cfg, retriever, learner, questions, when, sampled)
     return result
 
 
 def _rollout_evaluation(
-    cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str, gen: Any,
-    what: str = "EM",
-) -> dict:  # fmt: skip
+    cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str, gen: Any
+) -> dict:
     """One evaluation of :func:`_evaluate_policy`: ``gen``'s rollouts of ``questions``
     (kept in the warm-started policy's folder, and reused from there, at version 0)."""
     import ray
@@ -1172,14 +1171,14 @@ def _rollout_evaluation(
     t0 = time.perf_counter()
     version = learner.policy_version if learner is not None else 0
     cached = _evaluation_file(cfg, gen, questions) if version == 0 else None
-    how = "" if gen.group_size == 1 else (
-        f" ({gen.group_size} samples each at temperature {gen.temperature:g})"
-    )  # fmt: skip
+    greedy = gen.group_size == 1
+    what = "EM" if greedy else "sampled EM"
+    how = "" if greedy else f" ({gen.group_size} samples each at temperature {gen.temperature:g})"
     if cached is not None and cached.is_file():
         result = json.loads(cached.read_text())
         log.info(
             f"eval {when}: {what} {result['em']:.3f} on {len(questions)} held-out questions"
-            f"{how} (policy version 0: the {'greedy' if gen.group_size == 1 else 'sampled'} "
+            f"{how} (policy version 0: the {'greedy' if greedy else 'sampled'} "
             f"evaluation of the same policy, questions and settings saved in {cached})",
         )
         return {**result, "reused": str(cached)}
