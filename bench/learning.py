@@ -32,14 +32,17 @@ same one (``--runs-dir`` holding the other's ``warm_start-seedN`` folders, or li
 them), so that the difference is the setting's alone.
 
 The runs go seed by seed (every method of seed 0, then of seed 1, ...), and each finished
-run is recorded in ``<runs-dir>/runs.jsonl`` as it ends. Started again with the same
-``--runs-dir`` and settings, the study reuses the recorded runs and redoes only the rest
-(a run cut off half-way starts over), so a study of hours survives a lost machine.
+run is recorded in ``<runs-dir>/runs.jsonl`` as it ends, with its ``--set`` and a
+fingerprint of ``embedded.yaml``. Started again with the same ``--runs-dir`` and settings,
+the study reuses the recorded runs and redoes only the rest (a run cut off half-way starts
+over), so a study of hours survives a lost machine; a record made with other settings or
+from another ``embedded.yaml`` is refused, not mixed in.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
-        done = recorded_runs(runs_dir / RECORD, settings)
+        done = recorded_runs(runs_dir / RECORD, settings, defaults_fingerprint())
     except ValueError as err:
         parser.error(str(err))
 
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             run = run_one(method, seed, settings, runs_dir)
             with (runs_dir / RECORD).open("a") as record:
-                record.write(json.dumps({"method": method, "settings": settings, **run}) + "\n")
+                row = {"method": method, "settings": settings, "defaults": defaults_fingerprint()}
+                record.write(json.dumps({**row, **run}) + "\n")
             runs[method].append(run)
             if not args.keep_checkpoints:  # the study reads summary.json and metrics.jsonl
                 shutil.rmtree(runs_dir / run_name(method, seed) / "checkpoint", ignore_errors=True)
@@ -179,13 +183,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 RECORD = "runs.jsonl"
+EMBEDDED = ROOT / "pipelines" / "configs" / "embedded.yaml"  # what every run starts from
 
 
-def recorded_runs(path: Path, settings: list[str] | None) -> dict[tuple[str, int], dict]:
+def defaults_fingerprint() -> str:
+    """The embedded settings' fingerprint, kept with each recorded run: the same --set on
+    other embedded settings is another study (recorded runs are not reused across them)."""
+    return hashlib.sha256(EMBEDDED.read_bytes()).hexdigest()[:16]
+
+
+def recorded_runs(
+    path: Path, settings: list[str] | None, defaults: str | None = None
+) -> dict[tuple[str, int], dict]:
     """The finished runs recorded in ``path`` by an earlier start of this study, by
-    (method, seed). Runs of other settings are refused: they would not be comparable
-    (``settings`` None: another study's record, read whatever its settings, which each
-    run then carries)."""
+    (method, seed). Runs of other settings, or made from other embedded settings (their
+    ``defaults`` fingerprint is not ``defaults``), are refused: they would not be
+    comparable (``settings`` None: another study's record, read whatever its settings,
+    which each run then carries)."""
     if not path.is_file():
         return {}
     text = path.read_text()
@@ -213,7 +227,14 @@ def recorded_runs(path: Path, settings: list[str] | None) -> dict[tuple[str, int
                 "give the same --set (and --quick) as the study that made it, or another "
                 "--runs-dir"
             )
-        run = {k: v for k, v in row.items() if k not in ("method", "settings")}
+        if settings is not None and row.get("defaults") != defaults:
+            raise ValueError(
+                f"{path}:{number} was recorded from other embedded settings "
+                f"(pipelines/configs/embedded.yaml fingerprint {row.get('defaults')}, now "
+                f"{defaults}): its runs are another study's; give another --runs-dir (or "
+                "read it with --against)"
+            )
+        run = {k: v for k, v in row.items() if k not in ("method", "settings", "defaults")}
         if settings is None:
             run["settings"] = row["settings"]
         folder = path.parent / run_name(row["method"], run["seed"])

@@ -88,7 +88,9 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     assert learning.main(argv) == 0
     assert calls == [("grpo", 1), ("tspo", 1)]  # only what was not finished
     # the fragment was cut away before the new records were appended: all four are whole
-    assert len(learning.recorded_runs(tmp_path / "runs" / "runs.jsonl", ["pipeline.steps=2"])) == 4
+    record = tmp_path / "runs" / "runs.jsonl"
+    fingerprint = learning.defaults_fingerprint()
+    assert len(learning.recorded_runs(record, ["pipeline.steps=2"], fingerprint)) == 4
     out = capsys.readouterr().out
     assert out.count("reused from") == 2 and "not a whole record" in out
     report = json.loads((tmp_path / "l.json").read_text())
@@ -97,6 +99,14 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         learning.main([*argv[:-4], "--set", "pipeline.steps=3", *argv[-4:]])
     assert "give the same --set" in capsys.readouterr().err
+    # the same --set on other embedded settings (embedded.yaml edited since) is another study
+    monkeypatch.setattr(learning, "defaults_fingerprint", lambda: "0123456789abcdef")
+    with pytest.raises(SystemExit):
+        learning.main(argv)
+    assert "recorded from other embedded settings" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setattr(learning, "run_one", fake_run)
+    monkeypatch.setattr(learning, "plot_curves", lambda report, path: path.write_text("png"))
     with (tmp_path / "runs" / "runs.jsonl").open("a") as f:
         f.write("[1, 2]\n")
     with pytest.raises(SystemExit):
