@@ -10,7 +10,9 @@ It reads the same YAML file as the training pipelines (configs/embedded.yaml unl
 --config is given) for the data, retriever and generator settings, so it holds out and
 prompts exactly as the training run did; the file's training sections (learner, pipeline,
 ...) do not apply here and are skipped. Rollouts are greedy with one sample per question,
-whatever generator.temperature and generator.group_size say.
+whatever generator.temperature and generator.group_size say; with --samples K, each
+question is also rolled out K times at generator.temperature and top_p, and scores its
+share of right samples (the sampled EM, as a training run's eval.samples measures it).
 """
 
 from __future__ import annotations
@@ -73,11 +75,18 @@ class EvalRun:
     """Longest wait for one generator's share of the questions."""
     seed: int = 0
     """The training run's pipeline.seed (it decides which questions are held out)."""
+    samples: int = 0
+    """Also roll out every question this many times at the generator's sampling settings
+    (temperature, top_p, seed) and report the sampled EM: each question scores its share
+    of right samples; with --before, paired with its sampled evaluation when it has one.
+    It costs about this many times the greedy evaluation. 0: greedy only."""
     log_level: LogLevel = "info"
     """What it prints: 'info', 'warning', 'error' or 'debug' (the libraries' logs too)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.samples < 0:
+            raise ValueError(f"samples must be >= 0 (0: greedy only), got {self.samples}")
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(
                 f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
@@ -118,6 +127,52 @@ def read_before(path: str) -> dict:
     return data
 
 
+def evaluate_questions(
+    ray, cfg: EvalRun, model: str, retriever, gen: GeneratorConfig, questions: list[dict], name: str
+) -> dict:
+    """Exact match of ``gen``'s rollouts of ``questions`` (greedy, or several samples per
+    question, each scoring its share of right ones), overall and per data source, the
+    questions split over ``resources.num_generators`` generators that live for this
+    evaluation only (named ``name0``, ...)."""
+    generators = make_generators(model, retriever, cfg, gen, prefix=name)
+    shares = [s for s in np.array_split(np.arange(len(questions)), len(generators)) if len(s)]
+    refs = [
+        submit_evaluation(g, [questions[i] for i in share])
+        for g, share in zip(generators, shares, strict=False)
+    ]
+    parts = ray.get(refs, timeout=cfg.timeout_s)
+    for generator in generators:
+        ray.kill(generator)
+    counts: dict[str, int] = {}
+    hits: dict[str, float] = {}
+    searches: dict[str, float] = {}
+    correct: dict[str, float] = {}
+    source: dict[str, str] = {}
+    for part, share in zip(parts, shares, strict=True):
+        # each part numbers its own questions from 0; the result numbers the whole list
+        for i, key in zip(share, part["correct"], strict=True):
+            whole = question_key(int(i), questions[i]["question"])
+            correct[whole], source[whole] = part["correct"][key], part["source"][key]
+        for data_source, n in part["count_by_source"].items():
+            counts[data_source] = counts.get(data_source, 0) + n
+            hits[data_source] = hits.get(data_source, 0.0) + part["em_by_source"][data_source] * n
+            searched = part["searches_by_source"][data_source] * n
+            searches[data_source] = searches.get(data_source, 0.0) + searched
+    total = sum(counts.values())
+    return {
+        "questions": total,
+        "samples": gen.group_size,
+        "em": sum(hits.values()) / total,
+        "answered": sum(p["answered"] * p["questions"] for p in parts) / total,
+        "searches_per_traj": sum(searches.values()) / total,
+        "searches_by_source": {k: searches[k] / counts[k] for k in sorted(counts)},
+        "em_by_source": {k: hits[k] / counts[k] for k in sorted(counts)},
+        "count_by_source": dict(sorted(counts.items())),
+        "correct": correct,
+        "source": source,
+    }
+
+
 def main(argv=None) -> dict:
     from ray_credit.config import parse_config
 
@@ -144,50 +199,39 @@ def main(argv=None) -> dict:
     ray = connect(cfg)
     index = cfg.retriever.index_folder
     retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)
-    generators = make_generators(model, retriever, cfg, greedy, prefix="eval")
-    shares = [s for s in np.array_split(np.arange(len(questions)), len(generators)) if len(s)]
-    refs = [
-        submit_evaluation(g, [questions[i] for i in share])
-        for g, share in zip(generators, shares, strict=False)
-    ]
-    parts = ray.get(refs, timeout=cfg.timeout_s)
-    counts: dict[str, int] = {}
-    hits: dict[str, float] = {}
-    searches: dict[str, float] = {}
-    correct: dict[str, int] = {}
-    source: dict[str, str] = {}
-    for part, share in zip(parts, shares, strict=True):
-        # each part numbers its own questions from 0; the result numbers the whole list
-        for i, key in zip(share, part["correct"], strict=True):
-            whole = question_key(int(i), questions[i]["question"])
-            correct[whole], source[whole] = part["correct"][key], part["source"][key]
-        for data_source, n in part["count_by_source"].items():
-            counts[data_source] = counts.get(data_source, 0) + n
-            hits[data_source] = hits.get(data_source, 0.0) + part["em_by_source"][data_source] * n
-            searched = part["searches_by_source"][data_source] * n
-            searches[data_source] = searches.get(data_source, 0.0) + searched
-    total = sum(counts.values())
     result = {
         "model": model,
         "split": cfg.split,
-        "questions": total,
-        "em": sum(hits.values()) / total,
-        "answered": sum(p["answered"] * p["questions"] for p in parts) / total,
-        "searches_per_traj": sum(searches.values()) / total,
-        "searches_by_source": {k: searches[k] / counts[k] for k in sorted(counts)},
-        "em_by_source": {k: hits[k] / counts[k] for k in sorted(counts)},
-        "count_by_source": dict(sorted(counts.items())),
-        "correct": correct,
-        "source": source,
+        **evaluate_questions(ray, cfg, model, retriever, greedy, questions, "eval"),
         "config": asdict(cfg),
     }
+    if cfg.samples:
+        sampled = replace(greedy, temperature=cfg.generator.temperature, group_size=cfg.samples)
+        result["sampled"] = evaluate_questions(
+            ray, cfg, model, retriever, sampled, questions, "eval-sampled"
+        )
     print(f"{'data source':<24} {'n':>6} {'EM':>7}")
     for name, em in result["em_by_source"].items():
         print(f"{name:<24} {result['count_by_source'][name]:>6} {em:>7.3f}")
     print(f"{'all':<24} {result['questions']:>6} {result['em']:>7.3f}")
+    if cfg.samples:
+        print(f"{'sampled EM':<24} {result['questions']:>6} {result['sampled']['em']:>7.3f}"
+              f"  ({cfg.samples} samples per question at temperature "
+              f"{cfg.generator.temperature:g})")  # fmt: skip
     if earlier is not None:
         result["change"] = eval_change(earlier, result)
         print(describe_change(earlier, result, result["change"]), flush=True)
+        if cfg.samples and "sampled" in earlier:
+            b, a = earlier["sampled"], result["sampled"]
+            result["change_sampled"] = eval_change(b, a)
+            counts = f"{a['samples']}" if b["samples"] == a["samples"] else (
+                f"{b['samples']} before, {a['samples']} now")  # fmt: skip
+            title = (f"sampled EM ({counts} samples per question), paired on the same "
+                     "questions (better/worse: questions whose share of right samples rose/fell)")  # fmt: skip
+            print(describe_change(b, a, result["change_sampled"], title), flush=True)
+        elif cfg.samples:
+            print(f"--before {cfg.before} has no sampled evaluation: the sampled EM is not "
+                  "paired (a run's eval.samples, or this script's --samples, makes one)")  # fmt: skip
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(result, indent=2))
         print(f"wrote {cfg.output}")

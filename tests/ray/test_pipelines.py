@@ -143,6 +143,7 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
             "--resources.generator_cpus", "0.5",
             "--output", str(result_file),
             "--before", str(out / "summary.json"),
+            "--samples", "2",
         ],
         ray_cluster,
     )  # fmt: skip
@@ -155,6 +156,12 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     assert result["source"] == summary["eval_before"]["source"]  # each question's source
     assert set(result["searches_by_source"]) == set(result["em_by_source"])
     assert set(result["em_by_source"]) <= {"synthetic_1hop", "synthetic_2hop"}
+    # --samples: 2 sampled rollouts per question, paired with the run's sampled evaluation
+    assert result["sampled"]["samples"] == 2 and result["samples"] == 1
+    assert set(result["sampled"]["correct"]) == set(result["correct"])
+    assert all(v in (0.0, 0.5, 1.0) for v in result["sampled"]["correct"].values())
+    assert result["change_sampled"]["all"]["n"] == 4
+    assert "sampled EM (2 samples per question), paired" in stdout
     assert "all" in stdout
 
 

@@ -297,12 +297,14 @@ def test_eval_refuses_bad_input_before_ray(tmp_path):
         (["--output", str(tmp_path / "no" / "r.json")], "--output .*r.json: its folder does not exist"),
         (["--model", str(tmp_path / "none")], "--model='.*none': no such folder"),
         (["--before", str(tmp_path / "empty.json")], "--before .*empty.json: holds no per-question"),
+        # a setting out of range is argparse's error (exit status 2), naming the flag
+        (["--samples", "-1"], "--samples: samples must be >= 0 \\(0: greedy only\\), got -1"),
     ]  # fmt: skip
     for flags, message in cases:
         out = subprocess.run(
             [sys.executable, str(ROOT / "pipelines" / "eval.py"), *flags],
             capture_output=True, text=True, cwd=ROOT, timeout=120,
         )  # fmt: skip
-        assert out.returncode == 1, (flags, out.stderr[-2000:])
+        assert out.returncode == (2 if flags[0] == "--samples" else 1), (flags, out.stderr[-2000:])
         assert re.search(message, out.stderr), out.stderr[-2000:]
         assert "Traceback" not in out.stderr and "Started a local Ray" not in out.stderr
