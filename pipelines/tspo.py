@@ -8,7 +8,7 @@
     python pipelines/tspo.py --resume runs/tspo/checkpoint # continue a killed run
 
 Defaults (configs/embedded.yaml): SmolLM2-135M-Instruct, MiniLM over the synthetic world,
-a warm-start on 96 questions, then 12 steps of 4 questions x G=8, one step of staleness.
+a warm-start on 96 questions, then 12 steps of 16 questions x G=8, one step of staleness.
 Writes runs/tspo/{summary.json,plot.png,metrics.jsonl}, the checkpoint and an offline
 wandb run. The run itself, in order, is ray_credit.pipeline.recipe.train.
 """
