@@ -254,6 +254,9 @@ class Generator:
         )
         self._search = _Search(retriever, retrieval_timeout_s)
         self.name = name or uuid.uuid4().hex[:8]
+        # this process's life: a generator Ray restarted has another (the pipeline counts
+        # restarts by it, also those of a process that died between calls)
+        self.incarnation = uuid.uuid4().hex
         self.policy_version = 0
         self._calls = 0
         self._load_seconds = 0.0  # loading weights since the last generate call
@@ -393,15 +396,16 @@ class Generator:
         self, questions: Sequence[Mapping[str, Any]], *, progress: str | None = None
     ) -> tuple[TrajectoryBatch, dict[str, Any]]:
         """:meth:`generate`, plus the small summary the pipeline's driver reads instead of
-        the batch (its ``gen/*`` counters and the oldest policy version of each
-        trajectory; :func:`ray_credit.pipeline.report.generation_summary`). Call it with
+        the batch (its ``gen/*`` counters, the oldest policy version of each trajectory,
+        :func:`ray_credit.pipeline.report.generation_summary`, and the generator's
+        ``incarnation``, new each time its process starts). Call it with
         ``num_returns=2`` so the two travel as separate objects. ``progress``: the title
         of a bar of finished trajectories, as for :meth:`generate` (the pipeline names
         the step and the groups)."""
         from ray_credit.pipeline.report import generation_summary
 
         batch = self.generate(questions, progress=progress)
-        return batch, generation_summary(batch)
+        return batch, {**generation_summary(batch), "incarnation": self.incarnation}
 
     # ------------------------------------------------------------------ steps
     def _start(self, questions, size: int, call: str) -> list[_Rollout]:

@@ -39,8 +39,12 @@ goes on with the others. A chunk that comes back generated with older weights th
 sent before it (its generator restarted before the driver heard of the death) is redone
 too, and so is one whose batch was lost with its node. A generator that hangs (has chunks
 in flight and finishes none for ``generation_timeout_s``) is killed, and then handled as
-one that died. Every such event is counted (``pipeline/generator_failures``,
-``pipeline/generators_lost``, ``pipeline/generators_hung``, ``pipeline/chunks_redone``,
+one that died. A generator whose process died between calls (killed by Ray's memory
+monitor while it waited) fails no call: Ray restarts it, the next publication brings it to
+the current weights, and its next chunk, from another process than its last, counts it.
+Every such event is counted (``pipeline/generator_failures``,
+``pipeline/generators_lost``, ``pipeline/generators_hung``,
+``pipeline/generator_restarts``, ``pipeline/chunks_redone``,
 ``pipeline/stale_chunks_redone``, ``pipeline/chunks_lost``, ``sync/resyncs``). A stage
 that fails stops the run with an error naming the stage and the chunk's groups (the judge
 pool retries its own actors; the retriever is retried by the generators), except when a
@@ -455,6 +459,9 @@ class Pipeline:
         # flight and no progress for generation_timeout_s is hung
         self._progress = [0.0] * len(self.generators)
         self._epoch = [0] * len(self.generators)  # deaths handled per generator
+        # the process each generator's last chunk came from (and the deaths handled then):
+        # another one means Ray restarted it
+        self._incarnation: list[tuple[str, int] | None] = [None] * len(self.generators)
         self._redo: list[_Chunk] = []  # lost with their generator, to dispatch first
         self._lost: set[int] = set()
         self._training: _Training | None = None
@@ -467,6 +474,7 @@ class Pipeline:
             "pipeline/stale_chunks_redone": 0.0,
             "pipeline/chunks_lost": 0.0,
             "pipeline/generators_hung": 0.0,
+            "pipeline/generator_restarts": 0.0,
             "pipeline/stages_redone": 0.0,
             "pipeline/weight_target_failures": 0.0,
         }
@@ -711,8 +719,30 @@ class Pipeline:
                 self._epoch[g] += 1
                 self._recover(g)
             return
+        self._note_incarnation(chunk)
         chunk.generated_at = time.perf_counter()
         self._start_stages(chunk)
+
+    def _note_incarnation(self, chunk: _Chunk) -> None:
+        """Count a generator whose chunk comes from another process than its last one: Ray
+        restarted it. Also when its process died between calls (killed by Ray's memory
+        monitor while it waited, say), which no call of the driver's saw fail; the chunk
+        itself is sound (it passed the version check: its weights were current)."""
+        g, incarnation = chunk.generator, chunk.summary.get("incarnation")
+        if incarnation is None:  # a generator of another kind: it does not say
+            return
+        last, self._incarnation[g] = self._incarnation[g], (incarnation, chunk.epoch)
+        if last is None or incarnation == last[0]:
+            return
+        self.failures["pipeline/generator_restarts"] += 1
+        if chunk.epoch == last[1]:  # no death handled in between: one nobody saw
+            print(
+                f"generator{g} was restarted by Ray: its process died between calls (killed "
+                "by Ray's memory monitor? see the raylet's log); it had the current weights "
+                f"(version >= {chunk.min_version}) when it generated groups {chunk.groups} "
+                "(pipeline/generator_restarts)",
+                flush=True,
+            )
 
     def _redo_chunk(self, chunk: _Chunk, counter: str) -> None:
         self.failures[counter] += 1

@@ -238,6 +238,7 @@ def test_generators_dying_mid_run_lose_no_group(ray_cluster, world, retriever, b
     last = history[-1]
     assert last["pipeline/generators_lost"] == 1
     assert last["pipeline/generator_failures"] == 2
+    assert last["pipeline/generator_restarts"] == 1  # the one Ray restarted came back
     assert last["sync/resyncs"] == 1  # the restarted generator got the current weights
     assert ray_cluster.get(generators[0].get_policy_version.remote()) == 4
     learner.shutdown()

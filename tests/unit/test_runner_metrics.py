@@ -192,6 +192,7 @@ def _stream_pipeline(**config):
     )
     pipeline._chunks, pipeline.step, pipeline.version, pipeline._next = {}, 0, 0, 0
     pipeline._progress = [0.0, 0.0, 0.0]
+    pipeline._incarnation = [None, None, None]
     pipeline.chunk = pipeline.config.chunk_groups or pipeline.config.groups_per_step
     pipeline.failures = {"pipeline/chunks_redone": 0.0, "pipeline/stale_chunks_redone": 0.0}
     submitted = []
@@ -248,6 +249,41 @@ def test_a_chunk_generated_on_older_weights_than_sent_is_redone(monkeypatch):
     assert recovered == [1] and pipeline._epoch[1] == 1
     assert pipeline.failures["pipeline/stale_chunks_redone"] == 2
     assert pipeline._redo == chunks and all(c.summary is None for c in chunks)
+
+
+def test_a_generator_restarted_between_calls_is_counted(monkeypatch, capsys):
+    """A generator whose process died while it waited (no call failed: Ray restarted it,
+    and the next publication made it current) is seen in its next chunk, which comes
+    from another process: counted once and said, and the chunk is used, not redone."""
+    import ray
+
+    from ray_credit.pipeline.runner import _Chunk
+
+    pipeline, _ = _stream_pipeline(steps=4, groups_per_step=4, max_staleness=1)
+    pipeline.failures["pipeline/generator_restarts"] = 0.0
+    staged = []
+    pipeline._start_stages = staged.append
+    pipeline.version = 2
+    chunks = [_Chunk(0, 2), _Chunk(2, 2), _Chunk(4, 2), _Chunk(6, 2)]
+    for chunk, process in zip(chunks, ["p1", "p1", "p2", "p2"], strict=True):
+        pipeline._submit(chunk, 1)
+        chunk.summary_ref = {"oldest_versions": {2: 4}, "gen": {}, "incarnation": process}
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    for chunk in chunks:
+        pipeline._on_generated(chunk)
+    assert staged == chunks and not pipeline._redo  # sound chunks: none redone
+    assert pipeline.failures["pipeline/generator_restarts"] == 1
+    out = capsys.readouterr().out
+    assert out.count("generator1 was restarted by Ray: its process died between calls") == 1
+    assert "groups [4, 6)" in out
+    # after a death the driver handled (a call failed), the new process is counted, unsaid
+    pipeline._epoch[1] += 1
+    later = _Chunk(8, 2)
+    pipeline._submit(later, 1)
+    later.summary_ref = {"oldest_versions": {2: 4}, "gen": {}, "incarnation": "p3"}
+    pipeline._on_generated(later)
+    assert pipeline.failures["pipeline/generator_restarts"] == 2
+    assert "restarted by Ray" not in capsys.readouterr().out
 
 
 def test_step_stage_outcome_is_not_counted_twice():
