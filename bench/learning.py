@@ -6,6 +6,7 @@
     python bench/learning.py --set pipeline.steps=12 --set learner.lr=3e-5
     python bench/learning.py --methods tspo --set learner.lr=3e-5 --runs-dir runs/lr3e-5 \
         --against runs/study/runs.jsonl             # a setting against the study's runs
+    python bench/learning.py --methods grpo --against runs/tspo/runs.jsonl --against-method tspo
 
 Each (method, seed) is one training run of ``pipelines/<method>.py`` on its paper's
 recipe, with the embedded settings (``pipelines/configs/embedded.yaml``) plus any
@@ -29,7 +30,9 @@ a setting: each method's EM after training minus the same method's EM after trai
 that study, on the same seeds' held-out questions (paired bootstrap, pooled over the
 seeds both studies ran). Runs share their warm-start when both studies were given the
 same one (``--runs-dir`` holding the other's ``warm_start-seedN`` folders, or links to
-them), so that the difference is the setting's alone.
+them), so that the difference is the setting's alone. ``--against-method M`` compares
+every method with M's runs there instead (GRPO run here against TSPO's runs there, on
+the same settings and warm-start: a method against another, run in two studies).
 
 The runs go seed by seed (every method of seed 0, then of seed 1, ...), and each finished
 run is recorded in ``<runs-dir>/runs.jsonl`` as it ends, with its ``--set`` and a
@@ -88,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         help="another study's record: each method's EM after training is compared with "
         "that study's same method and seeds, question by question",
     )  # fmt: skip
+    parser.add_argument(
+        "--against-method", default=None, choices=sorted(METHODS),
+        help="with --against: compare every method with this method's runs in that record "
+        "(default: each with its own), e.g. GRPO here against TSPO there",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: " + " ".join(QUICK))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learning.json")
     parser.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
@@ -122,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--against {args.against}: {err}")
         if not against:
             parser.error(f"--against {args.against}: no such study record (runs.jsonl)")
+        if args.against_method and not any(m == args.against_method for m, _ in against):
+            parser.error(f"--against {args.against} holds no {args.against_method} runs")
+    elif args.against_method:
+        parser.error("--against-method needs --against RUNS.jsonl")
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -161,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
                 part: pooled(runs[method], runs[BASELINE], source=None if part == "all" else part)
                 for part in parts
             }
-    if against:  # each method against its own runs of the other study, paired
+    if against:  # each method against its own (or --against-method's) runs there, paired
         report["against"] = {"record": str(args.against.resolve()),
-                             "settings": next(iter(against.values()))["settings"]}  # fmt: skip
+                             "settings": next(iter(against.values()))["settings"],
+                             "method": args.against_method}  # fmt: skip
         for method, agg in report["methods"].items():
-            theirs = [run for (m, _), run in sorted(against.items()) if m == method]
+            other = args.against_method or method
+            theirs = [run for (m, _), run in sorted(against.items()) if m == other]
             parts = ["all", *agg["em_after_by_source"]]
             agg["vs_against"] = {
                 part: pooled(runs[method], theirs, source=None if part == "all" else part)
@@ -494,13 +508,15 @@ def table(report: dict) -> str:
     against = report.get("against")
     if against:
         theirs = " ".join(against["settings"]) or "the embedded settings"
+        other = against.get("method")
         head = ["method", *(f"{p}: after - after with {theirs}" for p in parts)]
         rows = [
             [m, *(_paired((agg.get("vs_against") or {}).get(p)) for p in parts)]
             for m, agg in methods.items()
         ]
+        whose = f"its {other} runs" if other else "the same method"
         text += (
-            f"\n\nAgainst {against['record']} (the same method and seeds with {theirs}; "
+            f"\n\nAgainst {against['record']} ({whose} and seeds with {theirs}; "
             "paired on the same questions):\n\n" + _markdown(head, rows)
         )
     return text

@@ -186,3 +186,19 @@ def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         learning.main([*argv[:-1], str(tmp_path / "nowhere.jsonl")])
     assert "no such study record" in capsys.readouterr().err
+    # --against-method: another method here (GRPO) against that record's TSPO runs
+    argv = ["--methods", "grpo", "--seeds", "0,1", "--set", "learner.lr=3e-5",
+            "--runs-dir", str(tmp_path / "third"), "--out", str(tmp_path / "c.json"),
+            "--against", str(first / "runs.jsonl"), "--against-method", "tspo"]  # fmt: skip
+    assert learning.main(argv) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["against"]["method"] == "tspo"
+    versus = report["methods"]["grpo"]["vs_against"]["all"]
+    assert (versus["n"], versus["better"], versus["worse"]) == (8, 2, 0)
+    assert "(its tspo runs and seeds with learner.lr=1e-5" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        learning.main([*argv[:-1], "grpo"])  # the record holds no GRPO runs
+    assert "holds no grpo runs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        learning.main([*argv[:-4], "--against-method", "tspo"])
+    assert "--against-method needs --against" in capsys.readouterr().err
