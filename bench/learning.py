@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
-        done = recorded_runs(runs_dir / RECORD, settings, defaults_fingerprint())
+        fingerprint = defaults_fingerprint()
+        done = recorded_runs(runs_dir / RECORD, settings, fingerprint)
     except ValueError as err:
         parser.error(str(err))
 
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             run = run_one(method, seed, settings, runs_dir)
             with (runs_dir / RECORD).open("a") as record:
-                row = {"method": method, "settings": settings, "defaults": defaults_fingerprint()}
+                row = {"method": method, "settings": settings, "defaults": fingerprint}
                 record.write(json.dumps({**row, **run}) + "\n")
             runs[method].append(run)
             if not args.keep_checkpoints:  # the study reads summary.json and metrics.jsonl

@@ -42,6 +42,7 @@ from ray_credit.pipeline.recipe import (
     make_generators,
     make_retriever,
     question_key,
+    sampled_title,
     submit_evaluation,
 )
 from ray_credit.signals import SIGNALS  # noqa: E402
@@ -224,11 +225,7 @@ def main(argv=None) -> dict:
         if cfg.samples and "sampled" in earlier:
             b, a = earlier["sampled"], result["sampled"]
             result["change_sampled"] = eval_change(b, a)
-            counts = f"{a['samples']}" if b["samples"] == a["samples"] else (
-                f"{b['samples']} before, {a['samples']} now")  # fmt: skip
-            title = (f"sampled EM ({counts} samples per question), paired on the same "
-                     "questions (better/worse: questions whose share of right samples rose/fell)")  # fmt: skip
-            print(describe_change(b, a, result["change_sampled"], title), flush=True)
+            print(describe_change(b, a, result["change_sampled"], sampled_title(b, a)), flush=True)
         elif cfg.samples:
             print(f"--before {cfg.before} has no sampled evaluation: the sampled EM is not "
                   "paired (a run's eval.samples, or this script's --samples, makes one)")  # fmt: skip

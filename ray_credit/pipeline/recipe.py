@@ -64,6 +64,7 @@ __all__ = [
     "make_judge_pool",
     "make_retriever",
     "run_config_class",
+    "sampled_title",
     "submit_evaluation",
     "train",
 ]
@@ -537,6 +538,17 @@ def describe_change(
     return f"{title}:\n" + "\n".join(lines)
 
 
+def sampled_title(before: Mapping, after: Mapping) -> str:
+    """The title of :func:`describe_change` for the sampled EM (``eval.samples``) of two
+    evaluations, with how many samples each took per question."""
+    b, a = before["samples"], after["samples"]
+    counts = f"{a}" if b == a else f"{b} before, {a} now"
+    return (
+        f"held-out sampled EM ({counts} samples per question), paired on the same questions "
+        "(better/worse: questions whose share of right samples rose/fell)"
+    )
+
+
 def _searches(before: Mapping, after: Mapping, name: str) -> str:
     """The end of one line of :func:`describe_change`: how searches per question moved,
     where both evaluations counted them (an older summary did not, per source)."""
@@ -896,11 +908,7 @@ def _report_change(summary: dict, logger: Any, step: int) -> None:
     if "sampled" in before and "sampled" in after:
         b, a = before["sampled"], after["sampled"]
         summary["eval_change_sampled"] = eval_change(b, a)
-        log.info(describe_change(
-            b, a, summary["eval_change_sampled"],
-            f"held-out sampled EM ({b['samples']} samples per question), paired on the same "
-            "questions (better/worse: questions whose share of right samples rose/fell)",
-        ))  # fmt: skip
+        log.info(describe_change(b, a, summary["eval_change_sampled"], sampled_title(b, a)))
         sampled = summary["eval_change_sampled"]["all"]
         metrics |= {"eval/em_sampled_change": sampled["diff"],
                     "eval/em_sampled_change_low": sampled["low"],
