@@ -258,6 +258,14 @@ def reverse_discounted_sum(
     return values
 
 
+def next_marked(marked: np.ndarray) -> np.ndarray:
+    """For each flat index, the first index at or after it where ``marked`` holds (the
+    last entry of every segment must be marked, so the answer stays in its segment)."""
+    n = len(marked)
+    at = np.where(marked, np.arange(n), n)
+    return np.minimum.accumulate(at[::-1])[::-1]
+
+
 def segments_longest_first(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Segments of ``lengths`` (back to back) ordered longest first: ``(order, last,
     longer)``, with ``last`` the flat index of each ordered segment's last entry and

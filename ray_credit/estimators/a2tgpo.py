@@ -24,17 +24,22 @@ turn a boundary (the code's boundary mask), no ``alpha``, and clip scale 1.
 Degenerate cases: a turn group or outcome group with one member gives 0 (the paper's
 "|G| = 1: rely on the outcome only"); all-equal groups give 0. A non-final turn with a
 null IG gets ``A = O_i``, ``c = 1`` and is counted in ``a2tgpo/missing_info_gain``; an IG on
-the final turn is not used (``a2tgpo/final_turn_info_gain_ignored``).
+the final turn is not used (``a2tgpo/final_turn_info_gain_ignored``). An IG of exactly 0
+is a real IG value (it joins its turn group).
 
-Turn index: the paper groups by the turn's position in the trajectory (default). The code
-groups by the ordinal among the row's IG positions (``official_compat=True``); the two
-differ only when a non-final turn has no IG.
+``official_compat=True`` reproduces the code's turns instead: its IG mask is "reward !=
+0", so an IG of exactly 0 is no IG turn (``a2tgpo/zero_info_gain_dropped``), and a
+non-final turn without an IG turn of its own (null or 0) has no boundary: its tokens take
+the advantage and clip scale of the trajectory's next IG turn, or of the final turn
+(``a2tgpo/merged_turns``). Its turn groups are keyed by the ordinal among the row's IG
+turns, where the paper keys them by the turn's position (the default); the two differ
+only when a non-final turn has no IG.
 
 Not reproduced, because they belong to the IG scorer or the loss, not the estimator: in
 the code copy turn 0 only sets the baseline, taken after the first retrieval; the last IG
 context stops at ``</search>`` (dropping the last retrieval result); the log-prob
-difference is hard-coded (the paper says probability); a turn without an IG merges with
-the next IG turn's segment; and the loss re-derives turns as runs of equal advantage.
+difference is hard-coded (the paper says probability); and the loss re-derives turns as
+runs of equal advantage.
 Here turns come from the batch and the scorer decides what an IG means. The non-v1d
 ``turn-group`` mode (IG rescaled by a batch-level std ratio, discounted from the outcome,
 then normalized per turn, plus ``1.5 * O_i``, no variance rescaling, no clip scale) is not
@@ -57,6 +62,7 @@ from ray_credit.estimators._group import (
     check_norm_params,
     check_var_eps,
     grpo_advantage,
+    next_marked,
     normalize_where,
     reverse_discounted_sum,
 )
@@ -85,7 +91,8 @@ class A2TGPOConfig:
     norm_mode: NormMode = "turn_group"
     """"turn_group" (A2TGPO); "joint" / "separate": IGPO's normalization, clip scale 1."""
     official_compat: bool = False
-    """True: a turn group is keyed by the IG-turn ordinal, not the turn position."""
+    """True: the code's turns (an IG of 0 or null is no IG turn and joins the next
+    segment; turn groups keyed by the IG-turn ordinal, not the turn position)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -130,6 +137,9 @@ def turn_group_advantages(
     Works on the IG turns only, in flat order: trajectory ``i`` contributes its ``n_i``.
     """
     gains, is_ig, counts = ig_turns(batch)
+    zero = is_ig & (gains == 0) if config.official_compat else np.zeros_like(is_ig)
+    counts["zero_info_gain_dropped"] = float(np.count_nonzero(zero))
+    is_ig &= ~zero  # the code's IG mask is "reward != 0"
     ig_first, n_ig = _ig_runs(batch, is_ig)
     # Eq. (6)-(7): normalize within the composite key (prompt group, turn index).
     keys, num_keys = _turn_group_keys(batch, config, is_ig, ig_first, n_ig)
@@ -151,6 +161,13 @@ def turn_group_advantages(
     clip += 1.0
     clip_scale = np.ones(batch.num_turns)
     clip_scale[at] = clip
+    # The code's segments: a turn that is neither an IG turn nor the final one has no
+    # boundary of its own, so its tokens take the next boundary's advantage and clip scale.
+    merged = ~(is_ig | batch.is_last_turn) if config.official_compat else zero
+    counts["merged_turns"] = float(np.count_nonzero(merged))
+    if counts["merged_turns"]:
+        take = next_marked(~merged)
+        advantages, clip_scale = advantages[take], clip_scale[take]
     return advantages, clip_scale, counts
 
 

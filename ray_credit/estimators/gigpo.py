@@ -18,8 +18,9 @@ is the empty string ``""``, counted in ``gigpo/null_anchors``)::
 
 ``g`` is the prompt group. With ``cross_steps=True`` (verl-agent's default) the episode
 statistics run over every turn-row of the group, so longer trajectories weigh more;
-with False they run over one value per trajectory, its unpenalized outcome, and each
-turn-row is still normalized with its own ``s_k``. Anchor groups: within a prompt group,
+with False they run over one value per trajectory, the score ``s_0`` of its first
+turn-row (as verl-agent takes the first row of each trajectory), and each turn-row is
+still normalized with its own ``s_k``. Anchor groups: within a prompt group,
 identical anchor strings (vectorized with pyarrow), or with ``enable_similarity`` a
 greedy clustering: in order of first appearance an anchor joins the first cluster whose
 representative (first member) has ``SequenceMatcher(None, anchor, rep).ratio() >=
@@ -37,9 +38,12 @@ with ``cross_steps=False``) gets mean 0 and std 1, so ``A^E = s / (1 + eps)``, *
 centered** (verl GRPO). A one-member anchor group is **centered**: ``A^S = 0``. An
 all-equal set gives 0 (std is exactly 0).
 
-Departures from verl-agent: with ``cross_steps=False`` the official code keeps the first
-row's score, which carries the first turn's invalid-action penalty; here the statistic is
-the unpenalized outcome. Only ``"invalid"`` turns are penalized (``"truncated"`` is a
+With ``cross_steps=False`` and a penalty, a group whose first-row scores are all equal
+has std 0: a later penalized row is then divided by ``eps`` alone (the official code does
+the same); ``gigpo/episode_zero_std_rows`` counts such rows, and ``cross_steps=True``
+(the default) avoids them.
+
+Departures from verl-agent: only ``"invalid"`` turns are penalized (``"truncated"`` is a
 valid action here); a null action counts as valid (``gigpo/null_actions``).
 ``similarity_threshold=1`` is allowed (it equals exact grouping; the official code
 asserts a threshold in (0, 1)).
@@ -205,7 +209,7 @@ def gigpo(batch: TrajectoryBatch, config: GiGPOConfig) -> TrajectoryBatch:
     del anchor  # drop large temporaries early: a lower peak footprint means fewer page faults
 
     # Episode term: statistics per prompt group, singleton -> mean 0, std 1 (not centered).
-    advantages = _episode_term(batch, config, outcome, penalty)
+    advantages, zero_std_rows = _episode_term(batch, config, outcome, penalty)
     step_term *= config.step_weight
     advantages += step_term
 
@@ -215,6 +219,7 @@ def gigpo(batch: TrajectoryBatch, config: GiGPOConfig) -> TrajectoryBatch:
         "gigpo/invalid_turns": float(np.count_nonzero(invalid)),
         "gigpo/null_anchors": float(null_anchors),
         "gigpo/null_actions": float(actions.null_count),
+        "gigpo/episode_zero_std_rows": float(zero_std_rows),
     }
     return batch.with_turn_columns(
         {"turn_rewards": returns, "turn_advantages": advantages}, metrics=metrics
@@ -237,7 +242,9 @@ def _outcome_returns(batch: TrajectoryBatch, outcome: np.ndarray, gamma: float) 
 def _episode_term(
     batch: TrajectoryBatch, config: GiGPOConfig, outcome: np.ndarray, penalty: np.ndarray | None
 ) -> np.ndarray:
-    """``A^E`` per turn: ``s_k`` against its prompt group's statistics (singleton: 0, 1).
+    """``A^E`` per turn: ``s_k`` against its prompt group's statistics (singleton: 0, 1),
+    and the number of rows whose value differs from a group mean with std 0 (divided by
+    ``eps`` alone in ``mean_std_norm``).
 
     Without penalties ``s_k`` is the trajectory's outcome on each of its turns, so
     ``A^E`` is one value per trajectory, and statistics over turn-rows (``cross_steps``)
@@ -251,13 +258,17 @@ def _episode_term(
     else:  # s_k = outcome - penalty_k, one per turn-row
         values = np.repeat(outcome, batch.turn_counts) - penalty
         keys = np.repeat(group, batch.turn_counts)
-        stats_of = (values, keys) if config.cross_steps else (outcome, group)
+        # cross_steps=False: one value per trajectory, its first row's (penalized) score
+        first_rows = values[batch.turn_offsets[:-1]]
+        stats_of = (values, keys) if config.cross_steps else (first_rows, group)
         count, mean, std = key_stats(*stats_of, num_groups, ddof=ddof)
     mean, std = np.where(count <= 1, 0.0, mean), np.where(count <= 1, 1.0, std)
     term = values - mean[keys]
+    zero_std_rows = 0
     if config.mode == "mean_std_norm":
+        zero_std_rows = int(np.count_nonzero((std[keys] == 0) & (term != 0)))
         term /= (std + config.eps)[keys]
-    return term if penalty is not None else np.repeat(term, batch.turn_counts)
+    return (term if penalty is not None else np.repeat(term, batch.turn_counts)), zero_std_rows
 
 
 ESTIMATORS = (

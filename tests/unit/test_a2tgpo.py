@@ -8,7 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from ray_credit.batch import BatchValidationError
+from ray_credit.batch import BatchValidationError, TrajectoryBatch
 from ray_credit.estimators import get_estimator
 from ray_credit.estimators.a2tgpo import A2TGPOConfig, a2tgpo
 from ray_credit.testing import make_batch, random_batch
@@ -111,10 +111,37 @@ def test_turn_key_position_vs_ig_ordinal():
     assert_rows(paper, [[1, 1 - s, 1], [1, 1 + s, 1]], column="turn_clip_scale")
     assert paper.metrics["a2tgpo/singleton_turn_group_gains"] == 1
     assert paper.metrics["a2tgpo/missing_info_gain"] == 1
-    # Code copy: ordinal groups {A: .3, B: .1} -> A +z, B -z, and {B: .5} -> 0.
+    # Code copy: ordinal groups {A: .3, B: .1} -> A +z, B -z, and {B: .5} -> 0; A's first
+    # turn has no IG, so no boundary: its tokens join A's IG turn's segment.
     compat = run(batch, gamma=gamma, official_compat=True)
-    assert_rows(compat, [[o, 0.3 * z + o, o], [0.3 * -z / math.sqrt(2) - o, -o, -o]])
-    assert_rows(compat, [[1, 1 + s, 1], [1 - s, 1, 1]], column="turn_clip_scale")
+    assert_rows(compat, [[0.3 * z + o, 0.3 * z + o, o], [0.3 * -z / math.sqrt(2) - o, -o, -o]])
+    assert_rows(compat, [[1 + s, 1 + s, 1], [1 - s, 1, 1]], column="turn_clip_scale")
+    assert compat.metrics["a2tgpo/merged_turns"] == 1
+    assert paper.metrics["a2tgpo/merged_turns"] == 0
+
+
+def test_zero_info_gain_is_an_ig_turn_in_the_paper_and_dropped_by_the_code():
+    # One group: A [search, answer] and B the same, both outcome 0; IG 0.25 on A's
+    # search, exactly 0.0 on B's. The code's IG mask is "reward != 0": B's search is no
+    # IG turn, A's is alone in its turn group, and every advantage is 0 (the official
+    # figure). The paper's turn group {0.25, 0} normalizes to +-1.
+    batch = make_batch(
+        [
+            {"reward": 0.0, "turns": 2, "turn_info_gain": [0.25, None]},
+            {"reward": 0.0, "turns": 2, "turn_info_gain": [0.0, None]},
+        ]
+    )
+    compat = run(batch, official_compat=True)
+    assert_rows(compat, [[0.0, 0.0], [0.0, 0.0]])
+    assert_rows(compat, [[1.0, 1.0], [1.0, 1.0]], column="turn_clip_scale")
+    assert compat.metrics["a2tgpo/zero_info_gain_dropped"] == 1
+    assert compat.metrics["a2tgpo/merged_turns"] == 1
+    paper = run(batch)
+    g = 0.125 / (math.sqrt(0.125**2 + 1e-8) + 1e-6)  # ~1
+    c = 0.3 * math.tanh(g / 2)
+    assert_rows(paper, [[0.3 * g, 0.0], [-0.3 * g, 0.0]])  # [0.3, 0] and [-0.3, 0]
+    assert_rows(paper, [[1 + c, 1.0], [1 - c, 1.0]], column="turn_clip_scale")  # 1.1386
+    assert paper.metrics["a2tgpo/zero_info_gain_dropped"] == 0
 
 
 # --------------------------------------------------------------------------- reference
@@ -145,7 +172,9 @@ def reference_turn_group(
     ig_turns = []  # per trajectory: the positions of its IG turns, in order
     for rec in records:
         gains = rec["turn_info_gain"]
-        ig_turns.append([k for k in range(len(gains) - 1) if gains[k] is not None])
+        # the code's IG mask is "reward != 0": an IG of exactly 0 is no IG turn there
+        dropped = (None, 0.0) if official_compat else (None,)
+        ig_turns.append([k for k in range(len(gains) - 1) if gains[k] not in dropped])
 
     groups = defaultdict(list)
     for i, rec in enumerate(records):
@@ -174,6 +203,10 @@ def reference_turn_group(
             adv[k] = ig_weight * total / math.sqrt(n - a) + outcome_adv[i]
             sigmoid = 1.0 / (1.0 + math.exp(-g_hat[(i, k)]))
             clip[k] = 1.0 + clip_beta * (2.0 * sigmoid - 1.0)
+        if official_compat:  # a turn with no boundary of its own joins the next segment
+            for k in reversed(range(turns - 1)):
+                if k not in positions:
+                    adv[k], clip[k] = adv[k + 1], clip[k + 1]
         advantages.append(adv)
         clips.append(clip)
     return advantages, clips
@@ -204,6 +237,22 @@ def test_matches_reference_loop(seed, params):
     advantages, clips = reference_turn_group(batch, **params)
     assert_rows(out, advantages)
     assert_rows(out, clips, column="turn_clip_scale")
+
+
+@pytest.mark.parametrize("official_compat", [False, True])
+def test_matches_reference_loop_with_zero_gains(official_compat):
+    records = random_batch(11, num_groups=12, group_size=5, max_turns=6).to_records()
+    rng = np.random.default_rng(0)
+    for rec in records:  # about a third of the gains exactly 0
+        rec["turn_info_gain"] = [
+            0.0 if g is not None and rng.random() < 0.3 else g for g in rec["turn_info_gain"]
+        ]
+    batch = TrajectoryBatch.from_records(records)
+    out = run(batch, official_compat=official_compat, gamma=0.8)
+    advantages, clips = reference_turn_group(batch, official_compat=official_compat, gamma=0.8)
+    assert_rows(out, advantages)
+    assert_rows(out, clips, column="turn_clip_scale")
+    assert (out.metrics["a2tgpo/zero_info_gain_dropped"] > 0) == official_compat
 
 
 def test_reference_sees_turn_keys():

@@ -134,6 +134,38 @@ def test_invalid_action_penalty_is_not_propagated():
     close(advantages(batch), [0.85125, 0.875, 0.4, -1.05125, -1.075])
 
 
+def test_episode_statistic_without_cross_steps_is_the_first_rows_penalized_score():
+    # verl-agent's figure for one group: A [invalid, answer] and B [answer], both outcome
+    # 0, penalty 0.1, mean_std_norm, one row per trajectory (A's first row, -0.1; B's, 0)
+    # for the statistics. Normalizing by the unpenalized outcomes (std 0) gave -100001.
+    batch = TrajectoryBatch.from_records(
+        [
+            trajectory("A", 0.0, [("invalid", "fix your action"), ("answer", None)]),
+            trajectory("B", 0.0, [("answer", None)]),
+        ]
+    )
+    out = GIGPO(batch, mode="mean_std_norm", invalid_action_penalty=0.1, cross_steps=False)
+    z = 0.05 / (math.sqrt(0.005) + 1e-6)  # (s - mean) / (sample std + eps) for {-0.1, 0}
+    close(out.turn_values("turn_advantages"), [-2 * z, z, 2 * z])  # [-1.414, 0.707, 1.414]
+    assert out.metrics["gigpo/episode_zero_std_rows"] == 0
+
+
+def test_rows_normalized_by_a_zero_std_are_counted():
+    # First rows all score 0, so the group's std is 0; A's penalized second row is then
+    # divided by eps alone, as in verl-agent: counted, not hidden.
+    batch = TrajectoryBatch.from_records(
+        [
+            trajectory("A", 0.0, [("search", "doc"), ("invalid", None)]),
+            trajectory("B", 0.0, [("answer", None)]),
+        ]
+    )
+    out = GIGPO(batch, mode="mean_std_norm", invalid_action_penalty=0.1, cross_steps=False)
+    assert out.metrics["gigpo/episode_zero_std_rows"] == 1
+    assert GIGPO(batch, mode="mean_std_norm", invalid_action_penalty=0.1).metrics[
+        "gigpo/episode_zero_std_rows"
+    ] == 0
+
+
 # ----------------------------------------------------------------------------- reference loop
 
 
@@ -180,8 +212,8 @@ def reference_gigpo(batch: TrajectoryBatch, cfg: GiGPOConfig):
                 )
         if cfg.cross_steps:
             values = [row["score"] for row in rows]
-        else:
-            values = [records[i]["outcome_reward"] for i in group]
+        else:  # one value per trajectory: its first row's score (verl-agent)
+            values = [row["score"] for row in rows if row["k"] == 0]
         mu, sd = (0.0, 1.0) if len(values) == 1 else (_mean(values), _std(values, cfg.std_ddof))
         clusters: list[dict] = []
         for row in rows:
