@@ -1081,6 +1081,14 @@ def _build_column(name: str, values: Any) -> pa.Array:
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
                     pass  # the typed build below says what does not fit
         return pa.array(values, type=spec.type if spec else None)
+    except UnicodeEncodeError as exc:  # a lone surrogate ('\udcff'): no UTF-8 for it
+        row, text = _first_surrogate(values)
+        _fail(
+            f"column {name!r}, record {row}: the text {text!r} holds {exc.object[exc.start]!r}, "
+            "a lone surrogate that is not valid Unicode and cannot be stored as UTF-8 "
+            "(often bytes decoded with errors='surrogateescape'); fix the source, or decode "
+            "it with errors='replace'"
+        )
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
         expected = spec.type if spec else "a consistent type"
         bad = _first_bad_record(values, spec.type) if spec else None
@@ -1236,6 +1244,26 @@ def _check_record(i: int, rec: Any) -> None:
                     f"record {i}: turn {t} has the field {unknown[0]!r}{hint}, which a turn "
                     f"does not have; a turn's fields are {list(_TURN_FIELDS)}"
                 )
+
+
+def _first_surrogate(values: list[Any]) -> tuple[int, str]:
+    """The first record holding a string that UTF-8 cannot encode, and a short excerpt of
+    that string around the bad character."""
+
+    def bad_text(value: Any) -> str | None:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                return value[max(0, err.start - 30) : err.start + 30]
+            return None
+        if isinstance(value, Mapping):
+            value = list(value.values())
+        if isinstance(value, (list, tuple)):
+            return next((t for t in map(bad_text, value) if t is not None), None)
+        return None
+
+    return next((i, t) for i, v in enumerate(values) if (t := bad_text(v)) is not None)
 
 
 def _first_bad_record(values: list[Any], type_: pa.DataType) -> int | None:

@@ -119,6 +119,21 @@ def _json_line(path: Path, number: int, raw: bytes) -> dict | None:
     return obj
 
 
+def _check_unicode(text: str, what: str, where: str) -> None:
+    """Refuse a lone surrogate (JSON's ``"\\udcff"``): no UTF-8 holds it, so the first
+    trajectory batch that carried it would fail far from here."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise DataFormatError(
+            f"{where}: {what} holds {text[err.start]!r} at character {err.start + 1}, a lone "
+            "surrogate that is not valid Unicode (often a JSON \\udcxx escape of raw bytes); "
+            "fix the text or replace the character"
+        ) from None
+
+
 def _corpus_doc(obj: Mapping[str, Any], where: str) -> dict:
     doc_id = obj.get("id")
     if doc_id is None:
@@ -147,6 +162,7 @@ def _corpus_doc(obj: Mapping[str, Any], where: str) -> dict:
         )
     if not contents.strip():
         raise DataFormatError(f"{where} (id {str(doc_id)!r}): empty contents")
+    _check_unicode(contents, "'contents'", where)
     return {"id": str(doc_id), "contents": contents}
 
 
@@ -261,6 +277,7 @@ def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source
         raise DataFormatError(
             f"{where}: empty question {question!r}; every row needs a non-blank question"
         )
+    _check_unicode(question, "the question", where)
     golds, golds_key = _golds_of(row, where)
     if golds is None:
         raise DataFormatError(
@@ -275,6 +292,8 @@ def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source
         golds = check_gold_answers(golds, where=where)
     except (TypeError, ValueError) as err:
         raise DataFormatError(str(err)) from None
+    for gold in golds:
+        _check_unicode(gold, f"the gold answer {gold!r}", where)
     doc_ids = _str_list(row, "supporting_doc_ids", "corpus document ids", where)
     plan = _str_list(row, "reference_plan", "Search-P1's search steps", where)
     row_id = row.get("id")

@@ -546,3 +546,18 @@ def test_to_torch_metrics_and_select_check_their_arguments():
         batch.select([0.5])
     assert batch.select(np.array([1], np.int32)).column("traj_id").to_pylist() == ["t1"]
     assert batch.select(range(2)).num_trajectories == 2
+
+
+@pytest.mark.parametrize("where", ["question", "observation", "gold"])
+def test_a_lone_surrogate_is_named_not_a_bare_unicode_error(where):
+    records = make_batch([{"reward": 1.0, "turns": 2}]).to_records()
+    bad = "Who founded \udcffVelmora?"
+    if where == "question":
+        records[0]["question"] = bad
+    elif where == "observation":
+        records[0]["turns"][0]["observation"] = bad
+    else:
+        records[0]["gold_answers"] = ["Ada", bad]
+    column = {"question": "question", "observation": "turns", "gold": "gold_answers"}[where]
+    with pytest.raises(BatchValidationError, match=rf"column '{column}', record 0.*lone surrogate"):
+        TrajectoryBatch.from_records(records)

@@ -319,3 +319,20 @@ def test_a_parquet_name_on_other_data_names_the_file(tmp_path):
             DataFormatError, match=name + r": not a readable Parquet file \(.*\.jsonl"
         ):
             load_qa(tmp_path / name)
+
+
+def test_a_lone_surrogate_in_a_question_gold_or_document_names_its_line(tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        '{"question": "fine?", "golden_answers": ["x"]}\n'
+        '{"question": "who \\udcff founded it?", "golden_answers": ["x"]}\n'
+    )
+    with pytest.raises(DataFormatError, match=r"q.jsonl:2: the question holds '\\udcff'"):
+        load_qa(questions)
+    questions.write_text('{"question": "fine?", "golden_answers": ["\\ud800"]}\n')
+    with pytest.raises(DataFormatError, match=r"q.jsonl:1: the gold answer .*lone surrogate"):
+        load_qa(questions)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "1", "contents": "Title\\nbad \\udcff text"}\n')
+    with pytest.raises(DataFormatError, match=r"c.jsonl:1: 'contents' holds"):
+        load_corpus(corpus)
