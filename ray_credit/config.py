@@ -36,8 +36,10 @@ __all__ = [
     "check_fields",
     "config_to_dict",
     "field_docs",
+    "leaf_names",
     "parse_config",
     "replace_path",
+    "unknown_setting",
 ]
 
 
@@ -264,8 +266,12 @@ def _apply_tree(config: Any, tree: Mapping[str, Any], prefix: str) -> Any:
     for key, value in tree.items():
         dotted = prefix + key
         if key not in names:
+            nearest = _nearest(key.replace("-", "_"), leaf_names(type(config)))
+            meant = f"; did you mean {' or '.join(repr(prefix + n) for n in nearest)}?"
             raise ValueError(
-                f"unknown config key {dotted!r} in {type(config).__name__}; valid: {sorted(names)}"
+                f"unknown config key {dotted!r} in {type(config).__name__}"
+                + (meant if nearest else "")
+                + f"; valid: {sorted(names)}"
             )
         current = getattr(config, key)
         if dataclasses.is_dataclass(current):
@@ -307,6 +313,103 @@ def _flatten(mapping: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
+# Names other RL libraries give a setting, and ours (``learner.learning_rate`` -> ``lr``).
+SYNONYMS: dict[str, tuple[str, ...]] = {
+    "learning_rate": ("lr",),
+    "n": ("group_size",),
+    "rollout_n": ("group_size",),
+    "num_generations": ("group_size",),
+    "num_samples": ("group_size", "samples"),
+    "max_steps": ("steps",),
+    "num_steps": ("steps",),
+    "total_steps": ("steps",),
+    "total_training_steps": ("steps",),
+    "kl_coeff": ("kl_coef",),
+    "kl_beta": ("kl_coef",),
+    "beta": ("kl_coef",),
+    "clip_ratio": ("clip_low", "clip_high"),
+    "epsilon": ("eps", "clip_low"),
+    "max_tokens": ("max_new_tokens",),
+    "max_response_length": ("max_new_tokens",),
+    "top_k": ("topk",),
+    "retrieval_topk": ("topk",),
+    "model_name": ("model", "name"),
+    "model_path": ("model",),
+    "batch_size": ("groups_per_step", "batch_size"),
+    "train_batch_size": ("groups_per_step",),
+}
+
+
+def leaf_names(cls: type) -> list[str]:
+    """The dotted name of every setting (leaf field) of a config class tree."""
+    return [name for name, *_ in _leaves(cls)]
+
+
+def _is_leaf(cls: type, dotted: str) -> bool:
+    return dotted in _leaf_set(cls)
+
+
+@functools.cache
+def _leaf_set(cls: type) -> frozenset[str]:
+    return frozenset(leaf_names(cls))
+
+
+def unknown_setting(
+    cls: type, dotted: str, foreign: Mapping[str, str] | None = None, dash: str = ""
+) -> str:
+    """Why ``dotted`` is no setting of the config tree ``cls``, and what the user may have
+    meant: a section another config has (``foreign``: its sentence), a field missing from
+    a section (with the nearest fields, or the section's list), or the nearest settings of
+    the whole tree (a typo, another library's name: :data:`SYNONYMS`)."""
+    parts = dotted.replace("-", "_").split(".")
+    node, depth = cls, 0
+    hints = _hints(node)
+    while depth < len(parts) - 1 and dataclasses.is_dataclass(hints.get(parts[depth])):
+        node = hints[parts[depth]]
+        hints, depth = _hints(node), depth + 1
+    section = ".".join(parts[:depth])
+    name = ".".join(parts)
+    if depth == 0 and parts[0] in (foreign or {}) and len(parts) > 1:
+        return foreign[parts[0]]
+    if parts[depth] in hints and depth < len(parts) - 1:
+        return f"{dash}{'.'.join(parts[: depth + 1])} is a value, not a section"
+    if parts[depth] in hints and dataclasses.is_dataclass(hints[parts[depth]]):
+        return f"{dash}{name} is a section: give one of its settings ({dash}{name}.<field>)"
+    local = [f"{section}.{n}" if section else n for n in leaf_names(node)]
+    near = _nearest(name, local)
+    guess = near or _nearest(name, leaf_names(cls))
+    meant = f"; did you mean {' or '.join(dash + g for g in guess)}?" if guess else ""
+    if not section:
+        return f"no such setting{meant}" + ("" if guess else f" ({dash}help lists them all)")
+    if near:
+        return f"{section} has no setting {parts[depth]!r}{meant}"
+    fields = ", ".join(dash + n for n in local)
+    return f"{section} has no setting {parts[depth]!r}; its settings: {fields}{meant}"
+
+
+def _nearest(name: str, candidates: Sequence[str]) -> list[str]:
+    """Up to three of ``candidates`` that ``name`` most likely meant: close as a whole, else
+    a setting whose own name (the last part) is ``name``'s, a synonym of it, or close."""
+    import difflib
+
+    def ratio(candidate: str) -> float:
+        return difflib.SequenceMatcher(None, name, candidate).ratio()
+
+    scored = sorted(((ratio(c), c) for c in candidates), reverse=True)
+    if scored and scored[0][0] >= 0.75:  # the best, and any as good
+        return [c for r, c in scored[:3] if r >= scored[0][0] - 0.02]
+    last = name.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for c in candidates:
+        by_leaf.setdefault(c.rsplit(".", 1)[-1], []).append(c)
+    wanted = [last, *SYNONYMS.get(last, ())]
+    exact = [c for w in wanted for c in by_leaf.get(w, [])]
+    if exact:
+        return exact[:3]
+    near = difflib.get_close_matches(last, list(by_leaf), n=2, cutoff=0.8)
+    return [c for w in near for c in by_leaf[w]][:3]
+
+
 def parse_config(
     cls: type,
     argv: Sequence[str] | None = None,
@@ -315,22 +418,31 @@ def parse_config(
     defaults: Any = None,
     default_config: str | Path | None = None,
     skip_sections: Sequence[str] = (),
+    foreign_sections: Mapping[str, str] | None = None,
 ) -> Any:
     """Build ``cls`` from its defaults (or ``defaults``), the YAML file (``--config``, else
     ``default_config``) and the flags. ``skip_sections``: top-level keys of the YAML file
-    that do not apply to ``cls`` (a file shared with other scripts) and are skipped."""
+    that do not apply to ``cls`` (a file shared with other scripts) and are skipped.
+    ``foreign_sections``: sections that other configs have and ``cls`` has not, each with
+    the sentence that says where it belongs; a setting of one is refused with it. Any
+    other unknown flag or key is refused with the nearest settings (did you mean)."""
+    foreign = dict(foreign_sections or {})
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--config", type=Path, default=default_config)
     known, _ = first.parse_known_args(argv)
     base = defaults if defaults is not None else cls()
     file = None if known.config is None else Path(known.config)
     if file is not None:
+        for key in _read_yaml(file, first, skip_sections):
+            if not _is_leaf(cls, key):
+                first.error(f"--config {file}: {unknown_setting(cls, key, foreign)}")
         base = _apply_yaml(base, file, first, skip_sections)
     parser = argparse.ArgumentParser(
         description=None if description is None else _plain(description),
         formatter_class=_HelpFormatter,
         # not argparse's list of every flag (a hundred lines) above each one-line error
         usage="%(prog)s [-h] [--config FILE.yaml] [--SECTION.FIELD VALUE ...]",
+        allow_abbrev=False,  # --pipeline.step is refused (did you mean), not taken as steps
     )
     parser.add_argument(
         "--config",
@@ -356,7 +468,17 @@ def parse_config(
             # argparse %-formats help text: a literal "%" (as in "30 %") must be doubled
             help=f"{_plain(doc)} (default: {shown})".replace("%", "%%"),
         )
-    args = vars(parser.parse_args(_joined_negatives(sys.argv[1:] if argv is None else argv)))
+    parsed, unknown = parser.parse_known_args(
+        _joined_negatives(sys.argv[1:] if argv is None else argv)
+    )
+    if unknown:
+        hints = [
+            f"  {token.split('=')[0]}: {unknown_setting(cls, token.split('=')[0][2:], foreign, '--')}"
+            for token in unknown
+            if token.startswith("--")
+        ]
+        parser.error("\n".join([f"unrecognized arguments: {' '.join(unknown)}", *hints]))
+    args = vars(parsed)
     args.pop("config", None)
     overrides = {**(_read_yaml(file, first, skip_sections) if file is not None else {}), **args}
     try:  # the file's settings and the flags together: rules between fields see both

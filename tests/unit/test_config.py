@@ -74,7 +74,45 @@ def test_unknown_yaml_key_is_an_error(tmp_path, capsys):
     file.write_text("inner:\n  lrr: 0.1\n")
     with pytest.raises(SystemExit):
         parse_config(Outer, ["--config", str(file)])
-    assert "unknown config key 'inner.lrr'" in capsys.readouterr().err
+    assert "inner has no setting 'lrr'; did you mean inner.lr?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "yaml", "message"),
+    [
+        # a typo'd section, a typo'd field, another library's name for a field
+        (["--innr.lr", "0.1"], "innr:\n  lr: 0.1\n", "no such setting; did you mean {d}inner.lr?"),
+        (["--inner.betaz", "1,2"], "inner:\n  betaz: [1, 2]\n",
+         "inner has no setting 'betaz'; did you mean {d}inner.betas?"),
+        (["--inner.learning_rate", "0.1"], "inner:\n  learning_rate: 0.1\n",
+         "inner has no setting 'learning_rate'; did you mean {d}inner.lr?"),
+        # nothing near: the section's settings are listed
+        (["--inner.zzz", "1"], "inner:\n  zzz: 1\n",
+         "inner has no setting 'zzz'; its settings: {d}inner.lr, {d}inner.betas, {d}inner.total"),
+        # a section another config has
+        (["--igpo.gamma", "0.5"], "igpo:\n  gamma: 0.5\n", "igpo belongs elsewhere"),
+        (["--inner", "1"], "inner: 1\n", "{d}inner is a section"),
+    ],
+)  # fmt: skip
+def test_an_unknown_flag_or_key_says_what_was_meant(tmp_path, capsys, argv, yaml, message):
+    foreign = {"igpo": "igpo belongs elsewhere"}
+    with pytest.raises(SystemExit):
+        parse_config(Outer, argv, foreign_sections=foreign)
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {' '.join(argv)}" in err or "--inner" in err
+    assert message.format(d="--") in err, err
+    file = tmp_path / "c.yaml"
+    file.write_text(yaml)
+    with pytest.raises(SystemExit):
+        parse_config(Outer, ["--config", str(file)], foreign_sections=foreign)
+    assert message.format(d="") in capsys.readouterr().err.replace("--igpo", "igpo")
+
+
+def test_a_flag_is_never_taken_for_a_longer_one(capsys):
+    # argparse would read --inner.tot as --inner.total; a setting is named in full
+    with pytest.raises(SystemExit):
+        parse_config(Outer, ["--inner.tot", "3"])
+    assert "did you mean --inner.total?" in capsys.readouterr().err
 
 
 def test_replace_path():
@@ -87,7 +125,7 @@ def test_replace_path():
 def test_pipeline_configs_parse_with_every_field_documented():
     """Every leaf of the pipelines' config tree has a docstring (it is the --help text)."""
     from ray_credit.config import _leaves
-    from ray_credit.pipeline.recipe import JudgeConfig, RunConfig
+    from ray_credit.pipeline.configs import JudgeConfig, RunConfig
     from ray_credit.signals.cw_grpo_judgement import CWGRPOJudgement
     from ray_credit.signals.info_gain import InfoGain
 
@@ -102,7 +140,7 @@ def test_pipeline_configs_parse_with_every_field_documented():
 
 
 def test_cross_section_check_runs_once_at_the_end(capsys):
-    from ray_credit.pipeline.recipe import RunConfig
+    from ray_credit.pipeline.configs import RunConfig
 
     with pytest.raises(SystemExit):
         parse_config(RunConfig, ["--generator.temperature", "0.7"])
@@ -136,7 +174,7 @@ def test_default_config_file_and_skipped_sections(tmp_path):
 def test_rules_between_fields_see_every_setting_together(tmp_path):
     """Flags and the file are applied to each section at once: a rule between two fields
     holds for the final values, whatever order they come in."""
-    from ray_credit.pipeline.recipe import RunConfig
+    from ray_credit.pipeline.configs import RunConfig
 
     file = tmp_path / "c.yaml"
     file.write_text("pipeline: {groups_per_step: 4}\n")
@@ -235,7 +273,7 @@ def test_config_classes_refuse_values_out_of_range():
     from ray_credit.actors.retriever import EncoderConfig
     from ray_credit.losses import PolicyLossConfig
     from ray_credit.pipeline import PipelineConfig
-    from ray_credit.pipeline.recipe import (
+    from ray_credit.pipeline.configs import (
         DataConfig,
         EvalConfig,
         JudgeConfig,
@@ -410,7 +448,7 @@ ENUMERATED = {
 
 def test_every_enumerated_pipeline_setting_shows_its_choices():
     from ray_credit.config import _leaves, _metavar
-    from ray_credit.pipeline.recipe import JudgeConfig, RunConfig
+    from ray_credit.pipeline.configs import JudgeConfig, RunConfig
 
     metavars = {name: _metavar(kind) for name, kind, _d, _doc in _leaves(RunConfig)}
     metavars |= {f"judge.{n}": _metavar(k) for n, k, _d, _doc in _leaves(JudgeConfig)}
@@ -425,7 +463,7 @@ def test_the_module_constants_are_the_literals_choices():
     from ray_credit.estimators import _group, tspo
     from ray_credit.losses import AGG_MODES, PolicyLossConfig
     from ray_credit.models import DTYPES
-    from ray_credit.pipeline.recipe import JudgeConfig
+    from ray_credit.pipeline.configs import JudgeConfig
 
     pairs = [
         (AGG_MODES, PolicyLossConfig, "agg_mode"),
