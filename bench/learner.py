@@ -38,7 +38,8 @@ def demonstrations(model: str, count: int, group_size: int):
     from ray_credit.batch import TrajectoryBatch
     from ray_credit.data import WorldConfig
     from ray_credit.models import load_tokenizer
-    from ray_credit.pipeline.recipe import DataConfig, load_data
+    from ray_credit.pipeline.configs import DataConfig
+    from ray_credit.pipeline.questions import load_data
     from ray_credit.warm_start import demonstrate
 
     corpus, train_q, _ = load_data(DataConfig(world=WorldConfig(num_entities=60)), seed=0)

@@ -9,7 +9,7 @@
     python bench/learning.py --methods grpo --against runs/tspo/runs.jsonl --against-method tspo
 
 Each (method, seed) is one training run of ``pipelines/<method>.py`` on its paper's
-recipe, with the embedded settings (``pipelines/configs/embedded.yaml``) plus any
+recipe, with the embedded settings (``ray_credit/configs/embedded.yaml``) plus any
 ``--set section.field=value``, and ``--pipeline.seed``, ``--generator.seed`` and
 ``--learner.seed`` set to the seed (the seed also picks the held-out split, so a seed's
 runs of every method are evaluated on the same questions). Judged methods use the
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 RECORD = "runs.jsonl"
-EMBEDDED = ROOT / "pipelines" / "configs" / "embedded.yaml"  # what every run starts from
+EMBEDDED = ROOT / "ray_credit" / "configs" / "embedded.yaml"  # what every run starts from
 
 
 def defaults_fingerprint() -> str:
@@ -245,7 +245,7 @@ def recorded_runs(
         if settings is not None and row.get("defaults") != defaults:
             raise ValueError(
                 f"{path}:{number} was recorded from other embedded settings "
-                f"(pipelines/configs/embedded.yaml fingerprint {row.get('defaults')}, now "
+                f"(embedded.yaml fingerprint {row.get('defaults')}, now "
                 f"{defaults}): its runs are another study's; give another --runs-dir (or "
                 "read it with --against)"
             )
@@ -266,7 +266,9 @@ def run_name(method: str, seed: int) -> str:
 def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict:
     """One training run; what the study keeps of it. A folder left by a run that did not
     finish (it is not in the record) is cleared first: its metrics.jsonl is appended to."""
-    from ray_credit.pipeline.recipe import load_config, run_config_class, train
+    from ray_credit.pipeline.cli import run_config_class
+    from ray_credit.pipeline.configs import load_config
+    from ray_credit.pipeline.recipe import train
 
     script, cls_name = METHODS[method]
     run_cls = run_config_class(ROOT / "pipelines" / script, cls_name)
@@ -279,9 +281,7 @@ def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict
     for item in settings:
         key, value = item.split("=", 1)
         argv += [f"--{key}", value]
-    cfg = load_config(
-        run_cls, method, argv, default_config=ROOT / "pipelines" / "configs" / "embedded.yaml"
-    )
+    cfg = load_config(run_cls, method, argv, default_config=EMBEDDED)
     stale = Path(cfg.output_dir).resolve() / cfg.name  # where train writes
     if stale.exists():
         print(f"{method} seed {seed}: {stale} is left from a run that did not finish; redone")

@@ -6,7 +6,7 @@ many searches each trajectory took.
 
 Samples G trajectories of the first N held-out questions of each data source (the
 synthetic world's 1-hop and 2-hop questions) with the main job's generator settings
-(``pipelines/configs/embedded.yaml``, or ``--config``), at the training temperature unless
+(``ray_credit/configs/embedded.yaml``, or ``--config``), at the training temperature unless
 told otherwise, and prints per data source and number of searches the share of the
 trajectories and their exact match. A group-relative advantage tells apart only what
 differs inside a group, so this table says which decisions the sampled outcomes reward
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=None, help="default: the config's")
     parser.add_argument("--seed", type=int, default=0, help="the held-out split and sampling")
-    parser.add_argument("--config", default=str(ROOT / "pipelines" / "configs" / "embedded.yaml"))
+    parser.add_argument("--config", default=str(ROOT / "ray_credit" / "configs" / "embedded.yaml"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.questions < 1 or args.group_size < 1:
@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray_credit.actors.generator import Generator
     from ray_credit.actors.retriever import Retriever
-    from ray_credit.pipeline.recipe import load_config, load_data, run_config_class
+    from ray_credit.pipeline.cli import run_config_class
+    from ray_credit.pipeline.configs import load_config
+    from ray_credit.pipeline.questions import load_data
 
     resolve_model = run_config_class(ROOT / "pipelines" / "eval.py", "resolve_model")
     cls = run_config_class(ROOT / "pipelines" / "tspo.py", "TSPORun")

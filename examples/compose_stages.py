@@ -18,14 +18,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
-from ray_credit import JudgePool, TrajectoryBatch
-from ray_credit.actors.generator import GeneratorConfig, make_generator_actor
-from ray_credit.actors.learner import LearnerConfig
-from ray_credit.actors.learner_group import LearnerGroup
-from ray_credit.actors.retriever import make_retriever_actor
-from ray_credit.config import parse_config
-from ray_credit.data import WorldConfig, make_world
-from ray_credit.pipeline import Pipeline, PipelineConfig, estimator_stage
+from ray_credit import (
+    GeneratorConfig,
+    JudgePool,
+    LearnerConfig,
+    LearnerGroup,
+    Pipeline,
+    PipelineConfig,
+    TrajectoryBatch,
+    WorldConfig,
+    estimator_stage,
+    make_generator_actor,
+    make_retriever_actor,
+    make_world,
+    parse_config,
+)
 
 
 @dataclass(frozen=True)

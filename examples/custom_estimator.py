@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from ray_credit import Estimator, TrajectoryBatch, get_estimator, register_estimator
-from ray_credit.config import parse_config
-from ray_credit.testing import random_batch
+from ray_credit import (
+    Estimator,
+    TrajectoryBatch,
+    get_estimator,
+    parse_config,
+    register_estimator,
+)
+from ray_credit.testing import make_batch
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ def train_with_it(steps: int) -> None:
     """The estimator as the credit stage of a training run (the recipe behind every
     pipeline): generators, learner and the loop are the library's, the credit is ours.
     The run config has a section named after the estimator, as every pipeline's does."""
-    from ray_credit.pipeline.recipe import RunConfig, load_config, train
+    from ray_credit import RunConfig, load_config, train
 
     @dataclass(frozen=True)
     class DiscountedRun(RunConfig):
@@ -78,8 +82,7 @@ def train_with_it(steps: int) -> None:
         "--warm_start.enabled", "false", "--eval.enabled", "false",
         "--generator.backend", "transformers",
     ]  # fmt: skip
-    embedded = Path(__file__).resolve().parents[1] / "pipelines/configs/embedded.yaml"
-    cfg = load_config(DiscountedRun, "discounted_grpo", argv, default_config=embedded)
+    cfg = load_config(DiscountedRun, "discounted_grpo", argv)  # on the embedded settings
     with out:
         summary = train(cfg, "discounted_grpo")
     last = summary["final_step_metrics"]
@@ -104,9 +107,18 @@ class Flags:
 
 def main() -> None:
     args = parse_config(Flags, description=__doc__)  # --help: every flag, its default
-    batch = random_batch(0, num_groups=4, group_size=4, max_turns=4)
+    # One question answered by four trajectories of 1-4 turns, two of them right: their
+    # GRPO advantages differ, and the discount shrinks the early turns' share.
+    batch = make_batch(
+        [
+            {"group": "q1", "reward": 1.0, "turns": 3},
+            {"group": "q1", "reward": 0.0, "turns": 2},
+            {"group": "q1", "reward": 1.0, "turns": 1},
+            {"group": "q1", "reward": 0.0, "turns": 4},
+        ]
+    )
     out = get_estimator("discounted_grpo")(batch, gamma=0.5)  # by name, like any built-in
-    for row in out.select(range(4)).to_records():
+    for row in out.to_records():
         print(
             row["traj_id"],
             f"reward={row['outcome_reward']:.0f}",

@@ -18,26 +18,27 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
 
 from ray_credit import (
     Estimator,
+    JudgeConfig,
     JudgedSignal,
+    JudgePool,
+    RunConfig,
     TrajectoryBatch,
     get_estimator,
+    load_config,
+    parse_config,
     register_estimator,
     register_signal,
+    train,
 )
-from ray_credit.actors.judge import JudgePool
 from ray_credit.batch import ColumnSpec
-from ray_credit.config import parse_config
-from ray_credit.pipeline.recipe import JudgeConfig, RunConfig, load_config, train
 from ray_credit.qa import contains_gold
-from ray_credit.signals import Choice, Request
-from ray_credit.signals._base import parse_json_object, render_trace
+from ray_credit.signals import Choice, Request, parse_json_object, render_trace
 
 PROMPT = """Read a search agent's work on a question and its final answer. Say whether the
 final answer is stated in the information the searches returned (not whether it is right).
@@ -155,8 +156,7 @@ def train_with_it(steps: int, judge: str) -> None:
     if judge == "hf":
         argv += ["--judge.backend", "hf", "--judge.model", "tiny-random"]
         argv += ["--resources.judge_cpus", "0.5"]
-    embedded = Path(__file__).resolve().parents[1] / "pipelines/configs/embedded.yaml"
-    cfg = load_config(GroundedRun, "grounded_grpo", argv, default_config=embedded)
+    cfg = load_config(GroundedRun, "grounded_grpo", argv)  # on the embedded settings
     with out:
         summary = train(cfg, "grounded_grpo")
     last = summary["final_step_metrics"]

@@ -23,16 +23,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal
 
-from ray_credit.actors.retrieval_server import (
+from ray_credit import (
     RemoteRetriever,
+    Retriever,
+    RunConfig,
+    load_config,
+    make_world,
+    parse_config,
     parse_retrieve_request,
     retrieve_response,
+    train,
 )
-from ray_credit.actors.retriever import Retriever
-from ray_credit.config import parse_config
-from ray_credit.data import make_world
 from ray_credit.estimators.tspo import TSPOConfig
-from ray_credit.pipeline.recipe import RunConfig, load_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,9 +140,7 @@ def main() -> None:
         "--warm_start.enabled": "false",
     }
     argv = [str(x) for item in tspo_flags.items() for x in item]
-    cfg = load_config(
-        TSPORun, "tspo", argv, default_config=ROOT / "pipelines/configs/embedded.yaml"
-    )
+    cfg = load_config(TSPORun, "tspo", argv)
     url = cfg.retriever.url or start_stand_in_server(cfg.data.world)
     with RemoteRetriever(url) as probe:  # what the generators will see
         top = probe.search(["Who founded the oldest city?"], 2)[0]

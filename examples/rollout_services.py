@@ -20,12 +20,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
-from ray_credit import ESTIMATORS, JudgePool
-from ray_credit.actors.generator import GeneratorConfig, make_generator_actor
-from ray_credit.actors.retriever import make_retriever_actor
-from ray_credit.actors.scorer import make_scorer_actor
-from ray_credit.config import parse_config
-from ray_credit.data import WorldConfig, make_world
+from ray_credit import (
+    ESTIMATORS,
+    GeneratorConfig,
+    JudgePool,
+    WorldConfig,
+    make_generator_actor,
+    make_retriever_actor,
+    make_scorer_actor,
+    make_world,
+    parse_config,
+)
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,12 @@ def main() -> None:
         print(f"  {key} = {counters[key]:g}")
 
     # 4. Every estimator accepts the batch.
-    print(f"\n{'estimator':<10} {'mean A':>8} {'max |A|':>8}")
+    print(f"\n{'estimator':<10} {'mean |A|':>8} {'max |A|':>8} {'turns A != 0':>13}")
     for name, estimator in ESTIMATORS.items():
-        advantages = estimator(batch).turn_values("turn_advantages")
-        print(f"{name:<10} {advantages.mean():>8.3f} {np.abs(advantages).max():>8.3f}")
+        advantages = np.abs(estimator(batch).turn_values("turn_advantages"))
+        nonzero = np.count_nonzero(advantages > 1e-6)
+        print(f"{name:<10} {advantages.mean():>8.3f} {advantages.max():>8.3f} "
+              f"{nonzero:>6} of {len(advantages):<5}")  # fmt: skip
     ray.shutdown()
 
 

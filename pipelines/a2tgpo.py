@@ -11,10 +11,9 @@ generated; the learner trains with A²TGPO's turn-level ratio, its clip range (3
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ray_credit.estimators.a2tgpo import A2TGPOConfig
-from ray_credit.pipeline.recipe import RunConfig, main
+from ray_credit.pipeline import RunConfig, main
 from ray_credit.signals.info_gain import InfoGain
 
 
@@ -29,6 +28,4 @@ class A2TGPORun(RunConfig):
 
 
 if __name__ == "__main__":
-    main(
-        A2TGPORun, "a2tgpo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml"
-    )
+    main(A2TGPORun, "a2tgpo", __doc__)

@@ -11,10 +11,9 @@ the paper's KL loss (0.001). Each chunk is judged as soon as it is generated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ray_credit.estimators.cw_grpo import CWGRPOConfig
-from ray_credit.pipeline.recipe import JudgeConfig, RunConfig, main
+from ray_credit.pipeline import JudgeConfig, RunConfig, main
 from ray_credit.signals.cw_grpo_judgement import CWGRPOJudgement
 
 
@@ -31,9 +30,4 @@ class CWGRPORun(RunConfig):
 
 
 if __name__ == "__main__":
-    main(
-        CWGRPORun,
-        "cw_grpo",
-        __doc__,
-        default_config=Path(__file__).parent / "configs/embedded.yaml",
-    )
+    main(CWGRPORun, "cw_grpo", __doc__)

@@ -6,8 +6,8 @@ overall and per data source: one greedy rollout per question against the retriev
         --data.corpus wiki.jsonl --retriever.encoder.name e5-base-v2 --resources.num_generators 4
     ray job submit --working-dir . -- python pipelines/eval.py --model /shared/ckpt
 
-It reads the same YAML file as the training pipelines (configs/embedded.yaml unless
---config is given) for the data, retriever and generator settings, so it holds out and
+It reads the same YAML file as the training pipelines (the package's embedded.yaml
+unless --config is given) for the data, retriever and generator settings, so it holds out and
 prompts exactly as the training run did; the file's training sections (learner, pipeline,
 ...) do not apply here and are skipped. Rollouts are greedy with one sample per question,
 whatever generator.temperature and generator.group_size say; with --samples K, each
@@ -30,21 +30,22 @@ from ray_credit.config import InputError, check_fields
 from ray_credit.estimators import ESTIMATORS  # noqa: E402
 from ray_credit.log import LogLevel, setup_logging
 from ray_credit.pipeline import checkpoints
-from ray_credit.pipeline.recipe import (
+from ray_credit.pipeline.configs import (
+    EMBEDDED_CONFIG,
     DataConfig,
     ResourcesConfig,
     RetrieverConfig,
-    check_model,
-    connect,
+)
+from ray_credit.pipeline.evaluation import (
     describe_change,
     eval_change,
-    load_data,
-    make_generators,
-    make_retriever,
     question_key,
     sampled_title,
     submit_evaluation,
 )
+from ray_credit.pipeline.preflight import check_model
+from ray_credit.pipeline.questions import load_data
+from ray_credit.pipeline.services import connect, make_generators, make_retriever
 from ray_credit.signals import SIGNALS  # noqa: E402
 
 # What a training run's YAML file may hold that evaluation does not use.
@@ -181,7 +182,7 @@ def main(argv=None) -> dict:
         EvalRun,
         argv,
         description=__doc__,
-        default_config=Path(__file__).parent / "configs/embedded.yaml",
+        default_config=EMBEDDED_CONFIG,
         skip_sections=TRAINING_SECTIONS,
     )
     setup_logging(cfg.log_level)

@@ -9,10 +9,9 @@ with the paper's KL loss (0.001).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ray_credit.estimators.gigpo import GiGPOConfig
-from ray_credit.pipeline.recipe import RunConfig, main
+from ray_credit.pipeline import RunConfig, main
 
 
 @dataclass(frozen=True)
@@ -24,4 +23,4 @@ class GiGPORun(RunConfig):
 
 
 if __name__ == "__main__":
-    main(GiGPORun, "gigpo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml")
+    main(GiGPORun, "gigpo", __doc__)

@@ -8,10 +8,9 @@ the turn-level methods improve on; DeepSeekMath). Trains a search agent end to e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ray_credit.estimators.grpo import GRPOConfig
-from ray_credit.pipeline.recipe import RunConfig, main
+from ray_credit.pipeline import RunConfig, main
 
 
 @dataclass(frozen=True)
@@ -23,4 +22,4 @@ class GRPORun(RunConfig):
 
 
 if __name__ == "__main__":
-    main(GRPORun, "grpo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml")
+    main(GRPORun, "grpo", __doc__)

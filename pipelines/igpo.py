@@ -10,10 +10,9 @@ the paper's KL loss (0.001).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ray_credit.estimators.igpo import IGPOConfig
-from ray_credit.pipeline.recipe import RunConfig, main
+from ray_credit.pipeline import RunConfig, main
 from ray_credit.signals.info_gain import InfoGain
 
 
@@ -28,4 +27,4 @@ class IGPORun(RunConfig):
 
 
 if __name__ == "__main__":
-    main(IGPORun, "igpo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml")
+    main(IGPORun, "igpo", __doc__)

@@ -15,10 +15,9 @@ The evidence judge needs none: it reads the supporting documents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ray_credit.estimators.search_p1 import SearchP1Config
-from ray_credit.pipeline.recipe import JudgeConfig, RunConfig, main
+from ray_credit.pipeline import JudgeConfig, RunConfig, main
 
 
 @dataclass(frozen=True)
@@ -32,9 +31,4 @@ class SearchP1Run(RunConfig):
 
 
 if __name__ == "__main__":
-    main(
-        SearchP1Run,
-        "search_p1",
-        __doc__,
-        default_config=Path(__file__).parent / "configs/embedded.yaml",
-    )
+    main(SearchP1Run, "search_p1", __doc__)

@@ -16,10 +16,9 @@ wandb run. The run itself, in order, is ray_credit.pipeline.recipe.train.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ray_credit.estimators.tspo import TSPOConfig
-from ray_credit.pipeline.recipe import RunConfig, main
+from ray_credit.pipeline import RunConfig, main
 
 
 @dataclass(frozen=True)
@@ -31,4 +30,4 @@ class TSPORun(RunConfig):
 
 
 if __name__ == "__main__":
-    main(TSPORun, "tspo", __doc__, default_config=Path(__file__).parent / "configs/embedded.yaml")
+    main(TSPORun, "tspo", __doc__)

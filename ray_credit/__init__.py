@@ -2,8 +2,8 @@
 
 Importing the package is cheap: it needs numpy and pyarrow only. torch is imported by
 the losses and the learner, Ray by the actors and the pipeline, each when used. The
-rollout services below are re-exported lazily: ``ray_credit.Generator`` imports its
-module on first use.
+rollout services, the learner and the pipeline layer below are re-exported lazily:
+``ray_credit.Generator`` or ``ray_credit.train`` imports its module on first use.
 """
 
 from __future__ import annotations
@@ -24,11 +24,40 @@ _LAZY = {
     "RemoteRetriever": "ray_credit.actors.retrieval_server",
     "make_retriever_actor": "ray_credit.actors.retriever",
     "serve_retriever": "ray_credit.actors.retrieval_server",
+    "parse_retrieve_request": "ray_credit.actors.retrieval_server",
+    "retrieve_response": "ray_credit.actors.retrieval_server",
     "InfoGainScorer": "ray_credit.actors.scorer",
     "JudgePool": "ray_credit.actors.judge",
     "make_scorer_actor": "ray_credit.actors.scorer",
     "load_model": "ray_credit.models",
     "StoragePath": "ray_credit.storage",
+    "LearnerConfig": "ray_credit.actors.learner",
+    "LearnerGroup": "ray_credit.actors.learner_group",
+    "make_world": "ray_credit.data",
+    "WorldConfig": "ray_credit.data",
+    "load_corpus": "ray_credit.data",
+    "load_qa": "ray_credit.data",
+    # the pipeline layer: the loop, a run's settings, one training run
+    **dict.fromkeys(
+        ("Pipeline", "PipelineConfig", "actor_stage", "estimator_stage"),
+        "ray_credit.pipeline.runner",
+    ),
+    **dict.fromkeys(
+        (
+            "EMBEDDED_CONFIG",
+            "DataConfig",
+            "EvalConfig",
+            "JudgeConfig",
+            "ResourcesConfig",
+            "RetrieverConfig",
+            "RunConfig",
+            "load_config",
+        ),
+        "ray_credit.pipeline.configs",
+    ),  # fmt: skip
+    "train": "ray_credit.pipeline.recipe",
+    "WarmStartConfig": "ray_credit.warm_start",
+    "parse_config": "ray_credit.config",
 }
 
 __all__ = [

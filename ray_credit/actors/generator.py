@@ -39,6 +39,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+import numpy as np
+
 from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLLMConfig
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
@@ -97,6 +99,37 @@ COUNTERS = (
     "weight_load_seconds",
 )
 """The additive ``gen/*`` counters of one ``generate`` call (summed across calls)."""
+
+ADDITIVE_GEN = (
+    *COUNTERS,
+    *("prefill_tokens", "reused_tokens", "kv_not_stored"),  # the sampler's, when it has them
+    *("trajectories", "turns", "answered", "seconds"),
+)
+
+
+def oldest_versions(batch: TrajectoryBatch) -> np.ndarray:
+    """The oldest policy version among each trajectory's turns (what its staleness is
+    measured from), vectorized over the flat per-turn version column."""
+    turns = batch.column("turns")
+    versions = turns.flatten().field("policy_version")  # flatten honours the list offsets
+    if versions.null_count:
+        raise ValueError(
+            "a turn has no policy_version: the pipeline measures staleness from the version "
+            "each turn was sampled with; generators write it"
+        )
+    flat = versions.to_numpy(zero_copy_only=False)
+    return np.minimum.reduceat(flat, batch.turn_offsets[:-1]) if len(flat) else flat
+
+
+def generation_summary(batch: TrajectoryBatch) -> dict[str, Any]:
+    """A generated chunk as the driver sees it: additive ``gen/*`` counters and a count of
+    trajectories per oldest policy version."""
+    metrics = batch.metrics
+    versions, counts = np.unique(oldest_versions(batch), return_counts=True)
+    return {
+        "gen": {k: float(metrics.get(f"gen/{k}", 0.0)) for k in ADDITIVE_GEN},
+        "oldest_versions": dict(zip(versions.tolist(), counts.tolist(), strict=True)),
+    }
 
 
 @dataclass(frozen=True)
@@ -291,8 +324,8 @@ class Generator:
         timeout_s: float = 600.0,
     ) -> None:
         """Join the learner's broadcast group as ``rank`` (see
-        :mod:`ray_credit.pipeline.collective`); blocks until every member has joined."""
-        from ray_credit.pipeline.collective import WeightGroup
+        :mod:`ray_credit.actors.collective`); blocks until every member has joined."""
+        from ray_credit.actors.collective import WeightGroup
 
         self._weight_group = WeightGroup(backend, world_size, timeout_s)
         self._weight_group.join(address, rank, manifest)
@@ -397,13 +430,11 @@ class Generator:
     ) -> tuple[TrajectoryBatch, dict[str, Any]]:
         """:meth:`generate`, plus the small summary the pipeline's driver reads instead of
         the batch (its ``gen/*`` counters, the oldest policy version of each trajectory,
-        :func:`ray_credit.pipeline.report.generation_summary`, and the generator's
+        :func:`generation_summary`, and the generator's
         ``incarnation``, new each time its process starts). Call it with
         ``num_returns=2`` so the two travel as separate objects. ``progress``: the title
         of a bar of finished trajectories, as for :meth:`generate` (the pipeline names
         the step and the groups)."""
-        from ray_credit.pipeline.report import generation_summary
-
         batch = self.generate(questions, progress=progress)
         return batch, {**generation_summary(batch), "incarnation": self.incarnation}
 

@@ -311,8 +311,8 @@ class Learner:
         self, world_size: int, backend: str, timeout_s: float = 600.0
     ) -> str | None:
         """Rank 0: open a broadcast group for itself and ``world_size - 1`` generators
-        (:mod:`ray_credit.pipeline.collective`); returns its ``host:port`` (None elsewhere)."""
-        from ray_credit.pipeline.collective import WeightGroup
+        (:mod:`ray_credit.actors.collective`); returns its ``host:port`` (None elsewhere)."""
+        from ray_credit.actors.collective import WeightGroup
 
         if self.world.rank != 0:
             return None
@@ -323,7 +323,7 @@ class Learner:
 
     def weight_manifest(self) -> list:
         """Names, shapes and dtypes of the published weights, in broadcast order."""
-        from ray_credit.pipeline.collective import manifest_of
+        from ray_credit.actors.collective import manifest_of
 
         state = self.model.state_dict()  # global shapes, also under FSDP
         return manifest_of(base_view(state) if self.config.lora.enabled else state)

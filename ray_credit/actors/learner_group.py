@@ -259,7 +259,7 @@ class LearnerGroup:
     # ------------------------------------------------------ collective weight sync
     def open_weight_group(self, world_size: int, backend: str) -> tuple[str, list]:
         """Open the learner's side of a broadcast group (rank 0 sends); returns the group's
-        address and the weights' manifest (see :mod:`ray_credit.pipeline.collective`)."""
+        address and the weights' manifest (see :mod:`ray_credit.actors.collective`)."""
         address = self._call("open_weight_group", world_size, backend, self.timeout_s)
         manifest = self._call("weight_manifest")
         return address.result(self.timeout_s), manifest.result(self.timeout_s)

@@ -1,4 +1,12 @@
-"""A run's outputs: metrics.jsonl, a progress line per step, wandb, and the plot."""
+"""A run's outputs: where they go, metrics.jsonl, a progress line per step, wandb,
+summary.json and the plot.
+
+A run writes under ``output_dir/name`` on the driver (:class:`RunOutputs`): its summary,
+metrics and plot, and wandb's run. Its checkpoints go to ``storage_path/name`` (default:
+the same folder), which every node must see, with a copy of those outputs after every
+step, so the storage folder holds the whole run and a resume on another head finds its
+history there.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +17,92 @@ from pathlib import Path
 from typing import Any
 
 from ray_credit.log import log
+from ray_credit.storage import StoragePath
 
-__all__ = ["Logger", "plot", "read_metrics", "smooth"]
+__all__ = [
+    "Logger",
+    "RunOutputs",
+    "kept_evaluations",
+    "plot",
+    "read_metrics",
+    "run_storage",
+    "smooth",
+    "sync_outputs",
+]
+
+
+class RunOutputs:
+    """The folders of one run and what it has written so far (see the module docstring).
+
+    Made before Ray starts, so a storage location it cannot write is refused then.
+    :meth:`resume` brings back the history of the run a checkpoint continues, :meth:`open`
+    starts the logger and the summary (keeping the first start's evaluations before
+    training when their settings are unchanged), :meth:`save` writes the summary and
+    copies the outputs to storage, :meth:`close` adds the plot.
+    """
+
+    def __init__(self, cfg: Any):
+        self.out = Path(cfg.output_dir).resolve() / cfg.name
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.storage = run_storage(cfg, self.out)
+        self.previous: dict = {}
+        self.summary: dict = {}
+        self.logger: Logger | None = None
+
+    @property
+    def shared(self) -> Path:
+        """A folder every node sees where the storage is a shared filesystem (else the
+        driver's): where the warm-started policy goes."""
+        return self.storage.local_path or self.out
+
+    def resume(self, checkpoint: str | None) -> int | None:
+        """The step the checkpoint was saved at (None for a new run), with the history of
+        the run it continues brought back (from storage, on a new head node)."""
+        if checkpoint is None:
+            return None
+        from ray_credit.pipeline.checkpointing import checkpoint_state
+
+        sync_outputs(self.out, self.storage, fetch=True)
+        self.previous = previous_summary(self.out)
+        return int(checkpoint_state(checkpoint)["step"])
+
+    def open(self, cfg: Any, run_config: dict, estimator: str, plan: Any, step: int | None):
+        """The logger (metrics.jsonl, wandb) and the summary, which begins with the run's
+        settings and every start of it so far; returns the summary."""
+        previous = self.previous
+        self.logger = Logger(cfg, self.out, resumed_step=step, wandb_id=previous.get("wandb_id"))
+        run = self.logger.run
+        self.summary = {
+            "config": run_config,
+            "estimator": estimator,
+            "departures": list(plan.departures),
+            "output_dir": str(self.out),
+            "wandb_id": run.id if run is not None else None,
+            # every start of this run: its own config is "config"; a resume keeps the
+            # evaluations and history of the starts before it
+            "starts": [*previous.get("starts", []), {"resumed_from": cfg.resume,
+                                                       "step": step or 0}],
+        }  # fmt: skip
+        if previous:
+            self.summary.update(kept_evaluations(previous, run_config))
+        return self.summary
+
+    def step(self, metrics: dict[str, float], total: int) -> None:
+        """One step's metrics logged, and the outputs copied to storage."""
+        self.logger.step(metrics, total)
+        sync_outputs(self.out, self.storage)
+
+    def save(self) -> None:
+        """summary.json written (whole), and the outputs copied to storage."""
+        write_summary(self.out, self.summary)
+        sync_outputs(self.out, self.storage)
+
+    def close(self) -> None:
+        """The summary, the plot, wandb's run finished, all copied to storage."""
+        write_summary(self.out, self.summary)
+        plot(self.logger.rows, self.summary, self.out / "plot.png")
+        self.logger.finish()
+        sync_outputs(self.out, self.storage)
 
 
 class Logger:
@@ -173,3 +265,77 @@ def smooth(values: list[float], weight: float = 0.6) -> list[float]:
         norm = weight * norm + (1 - weight)
         out.append(last / norm)
     return out
+
+
+# --------------------------------------------------------------------------- storage
+def run_storage(cfg: Any, out: Path) -> StoragePath:
+    """Where the run's checkpoints go: ``storage_path/name`` (made here, so that a location
+    it cannot write is refused before Ray starts), else ``out``."""
+    from ray_credit.config import InputError
+
+    if cfg.storage_path is None:
+        return StoragePath(out)
+    try:
+        run_dir = StoragePath(cfg.storage_path) / cfg.name
+        run_dir.mkdir()
+    except (ValueError, OSError) as err:
+        raise InputError(
+            f"storage_path={cfg.storage_path!r}: cannot write there ({err}); give a folder "
+            "every node sees or a URI such as s3://bucket/runs (credentials from the "
+            "environment, as pyarrow finds them)"
+        ) from None
+    return run_dir
+
+
+_OUTPUTS = ("summary.json", "metrics.jsonl", "plot.png")
+
+
+def sync_outputs(out: Path, run_dir: StoragePath, *, fetch: bool = False) -> None:
+    """The driver's outputs in ``out`` copied to the run's storage folder, so that it holds
+    the whole run (nothing to do when they are one folder); ``fetch``: the other way,
+    each one missing here (a resume on another machine keeps the run's history)."""
+    here = StoragePath(out)
+    if here == run_dir:
+        return
+    for name in _OUTPUTS:
+        source, target = (run_dir / name, here / name) if fetch else (here / name, run_dir / name)
+        if source.is_file() and not (fetch and target.exists()):
+            target.write_bytes(source.read_bytes())
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    """``summary.json``, replaced whole (a reader never sees half of it)."""
+    partial = out / "summary.json.partial"
+    partial.write_text(json.dumps(summary, indent=2, default=str))
+    partial.replace(out / "summary.json")
+
+
+def previous_summary(out: Path) -> dict:
+    """What the run being resumed wrote to its ``summary.json`` so far ({} if nothing)."""
+    path = out / "summary.json"
+    try:
+        previous = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        log.warning(f"note: {path} is not readable ({err}); the resumed run starts a new one")
+        return {}
+    return previous if isinstance(previous, dict) else {}
+
+
+_EVALUATION_SETTINGS = ("model", "data", "generator", "retriever", "eval", "warm_start")
+
+
+def kept_evaluations(previous: dict, run_config: dict) -> dict:
+    """The evaluations before training (and before the warm-start) of the run a resume
+    continues, kept when what decides them is unchanged (the policy it started from, the
+    data, the generator, retriever, evaluation and warm-start settings): its paired change
+    is then measured from the run's true start, not from where it was resumed."""
+    config = previous.get("config", {})
+    if any(config.get(key) != run_config.get(key) for key in _EVALUATION_SETTINGS):
+        changed = [k for k in _EVALUATION_SETTINGS if config.get(k) != run_config.get(k)]
+        log.info(f"note: the resumed run changes {', '.join(changed)}: its evaluation before "
+              "training is not the first run's, and is made again")  # fmt: skip
+        return {}
+    keys = ("eval_before", "eval_base", "warm_start")
+    return {key: previous[key] for key in keys if key in previous}

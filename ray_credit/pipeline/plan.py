@@ -26,7 +26,7 @@ the settings of a signal that has any in a section named after the signal
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,11 @@ class Plan:
     """Made once over the training questions before training (reference plans)."""
     departures: tuple[str, ...]
     """Settings of this run that differ from the paper's recipe, as ``key = value
-    (recipe: value)``."""
+    (recipe: value)``, and the user's own stages."""
+    extra_stages: tuple[Callable, ...] = ()
+    """The user's stages, run after the signals and before the estimator."""
+    extra_stages_after: tuple[Callable, ...] = ()
+    """The user's stages, run after the estimator."""
 
     @property
     def services(self) -> set[str]:
@@ -72,8 +76,9 @@ class Plan:
     def stages(
         self, *, judges: Any = None, scorer: Any = None, timeout_s: float
     ) -> tuple[list, list]:
-        """(per-chunk stages, per-step stages): each signal from its service, then the
-        estimator, per chunk when it is group-local, else once per step."""
+        """(per-chunk stages, per-step stages): each signal from its service, the user's
+        stages, the estimator, the user's stages after it; per chunk up to the first
+        that is not group-local (``group_local = False``), once per step from there."""
         from ray_credit.pipeline.runner import actor_stage, estimator_stage
 
         stages = []
@@ -83,17 +88,37 @@ class Plan:
             else:
                 stages.append(actor_stage(scorer.score, name=signal.name, timeout_s=timeout_s))
         estimator = estimator_stage(self.estimator, **dataclasses.asdict(self.estimator_config))
-        if self.estimator.group_local:
-            return [*stages, estimator], []
-        return stages, [estimator]
+        rest = [*self.extra_stages, estimator, *self.extra_stages_after]
+        for i, stage in enumerate(rest):
+            if not getattr(stage, "group_local", True):
+                return [*stages, *rest[:i]], rest[i:]
+        return [*stages, *rest], []
 
 
 def make_plan(
-    config: Any, estimator: str | Estimator, questions: Sequence[Mapping[str, Any]]
+    config: Any,
+    estimator: str | Estimator,
+    questions: Sequence[Mapping[str, Any]],
+    *,
+    stages: Sequence[Callable] = (),
+    stages_after: Sequence[Callable] = (),
 ) -> Plan:
-    """The plan of a run (module docstring); raises ``ValueError`` naming what cannot
+    """The plan of a run (module docstring), with the user's own ``stages`` (before the
+    estimator) and ``stages_after`` (after it); raises ``ValueError`` naming what cannot
     work, and what to do, before any actor starts."""
     est = get_estimator(estimator) if isinstance(estimator, str) else estimator
+    extra = []
+    for where, given in (("before", stages), ("after", stages_after)):
+        if callable(given):
+            given = [given]
+        for stage in given:
+            if not callable(stage):
+                raise InputError(
+                    f"stages{'' if where == 'before' else '_after'} takes functions batch -> "
+                    f"batch, got {stage!r} ({type(stage).__name__})"
+                )
+            name = getattr(stage, "__name__", type(stage).__name__)
+            extra.append(f"stage {name!r} of your own, {where} the estimator")
     judge = getattr(config, "judge", None)  # only the judged methods' configs have one
     backend = None if judge is None else judge.backend
     signals = tuple(_configured(config, name) for name in est.signals)
@@ -132,7 +157,9 @@ def make_plan(
         estimator_config=estimator_config,
         signals=signals,
         question_signals=tuple(question_signals),
-        departures=tuple(_departures(config, est)),
+        departures=(*_departures(config, est), *extra),
+        extra_stages=tuple([stages] if callable(stages) else stages),
+        extra_stages_after=tuple([stages_after] if callable(stages_after) else stages_after),
     )
 
 

@@ -23,16 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from ray_credit.actors.generator import COUNTERS
+from ray_credit.actors.generator import ADDITIVE_GEN, generation_summary, oldest_versions
 from ray_credit.batch import TrajectoryBatch
 
+# generation_summary and oldest_versions are the generator's (it makes the summary): kept
+# importable from here, where the driver combines them
 __all__ = ["chunk_report", "generation_summary", "oldest_versions", "step_metrics"]
 
-ADDITIVE_GEN = (
-    *COUNTERS,
-    *("prefill_tokens", "reused_tokens", "kv_not_stored"),  # the sampler's, when it has them
-    *("trajectories", "turns", "answered", "seconds"),
-)
 _OUTCOME_SUMS = (
     "trajectories",
     "reward",
@@ -48,31 +45,6 @@ _OUTCOME_SUMS = (
     "groups_zero_advantage",
     "tokens",
 )
-
-
-def oldest_versions(batch: TrajectoryBatch) -> np.ndarray:
-    """The oldest policy version among each trajectory's turns (what its staleness is
-    measured from), vectorized over the flat per-turn version column."""
-    turns = batch.column("turns")
-    versions = turns.flatten().field("policy_version")  # flatten honours the list offsets
-    if versions.null_count:
-        raise ValueError(
-            "a turn has no policy_version: the pipeline measures staleness from the version "
-            "each turn was sampled with; generators write it"
-        )
-    flat = versions.to_numpy(zero_copy_only=False)
-    return np.minimum.reduceat(flat, batch.turn_offsets[:-1]) if len(flat) else flat
-
-
-def generation_summary(batch: TrajectoryBatch) -> dict[str, Any]:
-    """A generated chunk as the driver sees it: additive ``gen/*`` counters and a count of
-    trajectories per oldest policy version."""
-    metrics = batch.metrics
-    versions, counts = np.unique(oldest_versions(batch), return_counts=True)
-    return {
-        "gen": {k: float(metrics.get(f"gen/{k}", 0.0)) for k in ADDITIVE_GEN},
-        "oldest_versions": dict(zip(versions.tolist(), counts.tolist(), strict=True)),
-    }
 
 
 def chunk_report(batch: TrajectoryBatch, stage_seconds: Mapping[str, float]) -> dict[str, Any]:

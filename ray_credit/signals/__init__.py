@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from ray_credit._registry import discover
 from ray_credit.batch import register_columns
-from ray_credit.signals._base import JudgedSignal, Request, Signal
+from ray_credit.signals._base import (
+    JudgedSignal,
+    Request,
+    Signal,
+    parse_json_object,
+    render_trace,
+)
 from ray_credit.signals._reply import Choice, Count, Strings
 
 __all__ = [
@@ -30,7 +36,9 @@ __all__ = [
     "Signal",
     "Strings",
     "get_signal",
+    "parse_json_object",
     "register_signal",
+    "render_trace",
 ]
 
 SIGNALS: dict[str, Signal] = {}

@@ -82,6 +82,23 @@ class RayHead:
         if self.proc.returncode != 0:
             self.stop()
             pytest.fail(f"ray start failed:\n{out}")
+        self._wait_for_job_agent()
+
+    def _wait_for_job_agent(self, timeout: float = 120) -> None:
+        """`ray start` returns before the head's job agent is up, and a job submitted then
+        fails with "No available agent to submit job": submit a no-op job (--no-wait) until
+        one is taken."""
+        deadline = time.monotonic() + timeout
+        while True:
+            probe = self.ray(
+                "job", "submit", "--address", ADDRESS, "--no-wait", "--", "python", "-c", "pass"
+            )
+            if probe.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"the head's job agent never took a job:\n{probe.stdout}{probe.stderr}")
+            time.sleep(1)
 
     def ray(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -125,6 +142,7 @@ def _summary(out_dir: Path, name: str) -> dict:
     return json.loads((out_dir / name / "summary.json").read_text())
 
 
+@pytest.mark.e2e  # starts a Ray head of its own: the second test command
 @pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_job_submit_against_a_local_head(tmp_path, backend):
     """`ray job submit --working-dir . -- python pipelines/tspo.py`: the script connects
@@ -155,6 +173,7 @@ def test_job_submit_against_a_local_head(tmp_path, backend):
         head.stop()
 
 
+@pytest.mark.e2e  # starts a Ray head of its own: the second test command
 def test_fake_multinode_twin_scales_up_for_a_job_and_back_down(tmp_path):
     """cluster.local.yaml: the job's actors ask for the custom resources of the worker node
     types, the autoscaler adds those nodes, the job finishes, idle nodes go away."""
@@ -220,6 +239,7 @@ def _raylet_of(node_id: str) -> int:
     raise AssertionError(f"no raylet of node {node_id} is running")
 
 
+@pytest.mark.e2e  # starts a Ray head of its own: the second test command
 def test_a_node_hosting_a_generator_dies_mid_run(tmp_path):
     """cluster.local.yaml, two generators on generator nodes: once step 2 is logged, the
     node of one of them dies (its raylet SIGKILLed: every process of the node goes with

@@ -212,6 +212,7 @@ def test_a_relative_checkpoint_dir_is_the_drivers_whatever_the_workers_cwd(
     learner.shutdown()
 
 
+@pytest.mark.e2e  # an actor killed mid-run: the second test command
 @pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_generators_dying_mid_run_lose_no_group(ray_cluster, world, retriever, backend):
     """One generator is killed and restarted by Ray, the other killed for good: the run
@@ -244,6 +245,7 @@ def test_generators_dying_mid_run_lose_no_group(ray_cluster, world, retriever, b
     learner.shutdown()
 
 
+@pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
     ray_cluster, world, retriever, tmp_path
 ):
@@ -300,6 +302,7 @@ def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
     learner.shutdown()
 
 
+@pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_scorer_killed_mid_run_comes_back_on_current_weights(ray_cluster, world, retriever):
     """IGPO's info-gain scorer is killed after step 1: Ray restarts it (on the base
     weights), the loop re-sends the current ones and redoes the stages that failed on it;
@@ -328,6 +331,7 @@ def test_a_scorer_killed_mid_run_comes_back_on_current_weights(ray_cluster, worl
     learner.shutdown()
 
 
+@pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_judge_actor_killed_mid_run_has_its_calls_redone(ray_cluster, world, retriever):
     """CW-GRPO with a pool of two judge actors: one is killed for good after step 1. The
     choice (docs/reliability.md): its calls are redone on the other actor, never left
@@ -359,6 +363,7 @@ def test_a_judge_actor_killed_mid_run_has_its_calls_redone(ray_cluster, world, r
     learner.shutdown()
 
 
+@pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_the_retriever_killed_mid_run_is_retried_by_the_generators(ray_cluster, world):
     """The real retriever actor is killed after step 1: Ray restarts it (it rebuilds its
     index), searches sent meanwhile wait for it (one in flight at the kill is retried and
@@ -382,6 +387,7 @@ def test_the_retriever_killed_mid_run_is_retried_by_the_generators(ray_cluster, 
     learner.shutdown()
 
 
+@pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_learner_worker_killed_mid_run_stops_it_by_name_and_resume_completes(
     ray_cluster, world, retriever, tmp_path
 ):

@@ -29,6 +29,8 @@ SMALL = [
     # on the transformers sampler starts in a second (test_tspo_with_vllm_generators
     # runs the default backend)
     "--generator.backend", "transformers",
+    # the warm-start has a test of its own (test_tspo_writes_its_outputs_and_resumes)
+    "--warm_start.enabled", "false",
 ]  # fmt: skip
 
 
@@ -76,11 +78,11 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     storage_path/name (a file:// URI here, as s3:// would be), from which a resume on a
     machine without the outputs continues the run, its history included."""
     bucket = f"file://{tmp_path}/bucket"
-    stdout = run(
-        "tspo.py",
-        [*SMALL, "--output_dir", str(tmp_path), "--storage_path", bucket, "--eval.samples", "2"],
-        ray_cluster,
-    )
+    args = [
+        *SMALL, "--output_dir", str(tmp_path), "--storage_path", bucket, "--eval.samples", "2",
+        "--warm_start.enabled", "true", "--warm_start.questions", "8", "--warm_start.epochs", "1",
+    ]  # fmt: skip
+    stdout = run("tspo.py", args, ray_cluster)
     out, stored = tmp_path / "tspo", tmp_path / "bucket" / "tspo"
     assert "eval before training: EM" in stdout and "step 2/2" in stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -165,6 +167,7 @@ def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     assert "all" in stdout
 
 
+@pytest.mark.e2e  # the second test command
 @pytest.mark.slow
 def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(ray_cluster, tmp_path):
     """SIGKILL the driver of a run that checkpoints every step, once step 2 is logged:
@@ -179,8 +182,7 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(ray_cluster, t
     before = alive()
     args = [
         *SMALL, "--output_dir", str(tmp_path), "--wandb", "disabled", "--pipeline.steps", "4",
-        "--pipeline.checkpoint_every", "1", "--warm_start.enabled", "false",
-        "--eval.enabled", "false",
+        "--pipeline.checkpoint_every", "1", "--eval.enabled", "false",
     ]  # fmt: skip
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     out = tmp_path / "tspo"

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.e2e  # the second test command
 @pytest.mark.slow
 def test_a_hundred_steps_leak_nothing(ray_cluster):
     sys.path.insert(0, str(ROOT / "bench"))

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ray_credit.pipeline.collective import WeightGroup, _buckets, manifest_of  # noqa: E402
+from ray_credit.actors.collective import WeightGroup, _buckets, manifest_of  # noqa: E402
 
 
 def test_buckets_split_by_dtype_and_size():

@@ -161,9 +161,12 @@ def test_rows_normalized_by_a_zero_std_are_counted():
     )
     out = GIGPO(batch, mode="mean_std_norm", invalid_action_penalty=0.1, cross_steps=False)
     assert out.metrics["gigpo/episode_zero_std_rows"] == 1
-    assert GIGPO(batch, mode="mean_std_norm", invalid_action_penalty=0.1).metrics[
-        "gigpo/episode_zero_std_rows"
-    ] == 0
+    assert (
+        GIGPO(batch, mode="mean_std_norm", invalid_action_penalty=0.1).metrics[
+            "gigpo/episode_zero_std_rows"
+        ]
+        == 0
+    )
 
 
 # ----------------------------------------------------------------------------- reference loop

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from ray_credit.log import log, setup_logging, worker_env
-from ray_credit.pipeline.recipe import failure_summary
+from ray_credit.pipeline.cli import failure_summary
 
 
 @pytest.fixture(autouse=True)

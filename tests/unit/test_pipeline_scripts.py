@@ -12,9 +12,19 @@ from pathlib import Path
 import pytest
 
 from ray_credit.estimators.tspo import TSPOConfig
-from ray_credit.pipeline.recipe import RunConfig, run_config_class
+from ray_credit.pipeline.cli import run_config_class
+from ray_credit.pipeline.configs import EMBEDDED_CONFIG, RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+PIPELINES = {  # method -> its script's run config class
+    "grpo": "GRPORun",
+    "tspo": "TSPORun",
+    "cw_grpo": "CWGRPORun",
+    "search_p1": "SearchP1Run",
+    "igpo": "IGPORun",
+    "a2tgpo": "A2TGPORun",
+    "gigpo": "GiGPORun",
+}
 
 
 def test_help_and_bad_flags():
@@ -127,15 +137,15 @@ def load(script: str, cls_name: str):
     return run_config_class(ROOT / "pipelines" / script, cls_name)
 
 
-EMBEDDED = ROOT / "pipelines" / "configs" / "embedded.yaml"
+EMBEDDED = EMBEDDED_CONFIG
 
 
 def test_a2tgpo_trains_with_its_papers_turn_level_loss(capsys):
     """The estimator's declaration is the pipeline's default: A2TGPO's turn-level ratio,
     clip range and log-prob information gain; a flag that changes it is a departure the
     plan reports."""
+    from ray_credit.pipeline.configs import load_config
     from ray_credit.pipeline.plan import make_plan
-    from ray_credit.pipeline.recipe import load_config
 
     run = load("a2tgpo.py", "A2TGPORun")
     cfg = load_config(run, "a2tgpo", [], default_config=EMBEDDED)
@@ -159,7 +169,7 @@ def test_a2tgpo_trains_with_its_papers_turn_level_loss(capsys):
 def test_generator_backend_settings_and_refusals(capsys):
     """The embedded run generates with vLLM; engine settings are flags; combinations that
     cannot work are refused before any actor starts, saying what to change."""
-    from ray_credit.pipeline.recipe import load_config
+    from ray_credit.pipeline.configs import load_config
 
     run = load("tspo.py", "TSPORun")
     cfg = load_config(run, "tspo", [], default_config=EMBEDDED)
@@ -191,8 +201,8 @@ def test_generator_backend_settings_and_refusals(capsys):
 
 
 def test_plans_refuse_what_cannot_work():
+    from ray_credit.pipeline.configs import load_config
     from ray_credit.pipeline.plan import make_plan
-    from ray_credit.pipeline.recipe import load_config
 
     cw = load_config(load("cw_grpo.py", "CWGRPORun"), "cw_grpo", [], default_config=EMBEDDED)
     no_support = [{"question": "q?", "golden_answers": ["a"], "supporting_doc_ids": None}]
@@ -218,17 +228,10 @@ def test_plans_refuse_what_cannot_work():
         make_plan(igpo, "igpo", no_support)
 
 
-class _FakeRay:
-    def __init__(self, resources):
-        self.resources = resources
-
-    def cluster_resources(self):
-        return self.resources
-
-
-def test_custom_resources_and_shortfall_warning(capsys):
+def test_resource_demand_is_the_busiest_phase_and_a_shortage_is_named():
+    from ray_credit.pipeline.configs import ResourcesConfig
     from ray_credit.pipeline.plan import make_plan
-    from ray_credit.pipeline.recipe import ResourcesConfig, _warn_if_short
+    from ray_credit.pipeline.services import _shortage, resource_demand
     from tests.unit.test_pipeline_scripts import TSPORun
 
     res = ResourcesConfig(
@@ -244,14 +247,29 @@ def test_custom_resources_and_shortfall_warning(capsys):
     assert ResourcesConfig().custom("learner") == {}
     cfg = TSPORun(resources=res)
     plan = make_plan(cfg, "tspo", [{"question": "q?", "golden_answers": ["a"]}])
-    # 2 generators + the evaluation generator, 2 learner replicas, the retriever
-    enough = {"CPU": 12.25, "GPU": 5.0, "generator": 3.0, "learner": 2.0, "service": 1.0}
-    _warn_if_short(_FakeRay(enough), cfg, plan)
-    assert capsys.readouterr().out == ""
-    _warn_if_short(_FakeRay({**enough, "GPU": 4.0, "service": 0.0}), cfg, plan)
-    out = capsys.readouterr().out
-    assert "5 GPU (cluster has 4)" in out and "1 service (cluster has 0)" in out
-    assert "CPU" not in out.split(";")[0]
+    # Training holds 2 generators (1 CPU, 1 GPU each), 2 learner replicas (2 CPUs, 1 GPU
+    # each) and the retriever (0.25 CPU); the evaluation generator (2 CPUs, 1 GPU) runs
+    # before and after it, never beside the training generators.
+    demand = resource_demand(cfg, plan)
+    assert demand == {"CPU": 6.25, "GPU": 4.0, "generator": 2.0, "learner": 2.0, "service": 1.0}
+    assert _shortage(demand, {**demand, "CPU": 12.0}) == ""
+    short = _shortage(demand, {**demand, "GPU": 3.0, "service": 0.0})
+    assert short == "4 GPU (cluster has 3), 1 service (cluster has 0)"
+
+
+def test_every_pipeline_fits_the_local_ray_it_starts_on_its_defaults():
+    """A pipeline started with no cluster starts a local Ray of at least 6 logical CPUs
+    (more when its actors ask for more); on the embedded settings none asks for more than
+    6 (A2TGPO's scorer and evaluation generator used to ask for 6.25 together)."""
+    from ray_credit.pipeline.configs import load_config
+    from ray_credit.pipeline.plan import make_plan
+    from ray_credit.pipeline.services import resource_demand
+
+    for method, cls in PIPELINES.items():
+        cfg = load_config(run_config_class(ROOT / "pipelines" / f"{method}.py", cls), method, [])
+        questions = [{"question": "q?", "golden_answers": ["a"], "supporting_doc_ids": ["d"]}]
+        demand = resource_demand(cfg, make_plan(cfg, method, questions))
+        assert demand["CPU"] <= 6, (method, demand)
 
 
 def test_an_estimator_across_groups_runs_once_per_step():
@@ -308,3 +326,31 @@ def test_eval_refuses_bad_input_before_ray(tmp_path):
         assert out.returncode == (2 if flags[0] == "--samples" else 1), (flags, out.stderr[-2000:])
         assert re.search(message, out.stderr), out.stderr[-2000:]
         assert "Traceback" not in out.stderr and "Started a local Ray" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pipline.steps", "3"], "--pipline.steps: no such setting; did you mean --pipeline.steps?"),
+        (["--learner.learning_rate", "1e-5"],
+         "--learner.learning_rate: learner has no setting 'learning_rate'; did you mean --learner.lr?"),
+        (["--igpo.gamma", "0.9"], "--igpo.gamma: --igpo.* are the igpo estimator's settings, for "
+         "a run that trains igpo (pipelines/igpo.py); this run trains tspo (its settings: --tspo.*)"),
+        (["--info_gain.mode", "prob_diff"], "--info_gain.* are the info_gain signal's settings, "
+         "for a run that trains a2tgpo or igpo"),
+        (["--tspo.beta", "1"], "--tspo.beta: tspo has no setting 'beta'; its settings: --tspo.alpha, "
+         "--tspo.strategy"),
+        (["--generator.group_size", "1"], "generator.group_size=1: every estimator compares the G "
+         "samples of a question"),
+    ],
+)  # fmt: skip
+def test_a_setting_the_pipeline_lacks_is_named_with_what_was_meant(
+    argv, message, capsys, monkeypatch
+):
+    from ray_credit.pipeline.configs import load_config
+
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "pipelines" / "tspo.py")])  # the script's folder
+    with pytest.raises(SystemExit) as exit_:
+        load_config(load("tspo.py", "TSPORun"), "tspo", argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -13,11 +13,12 @@ import pytest
 
 from ray_credit.config import InputError
 from ray_credit.pipeline import checkpoint_state
-from ray_credit.pipeline.outputs import Logger, read_metrics
-from ray_credit.pipeline.recipe import _kept_evaluations, load_config, run_config_class
+from ray_credit.pipeline.cli import run_config_class
+from ray_credit.pipeline.configs import EMBEDDED_CONFIG, load_config
+from ray_credit.pipeline.outputs import Logger, kept_evaluations, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED = ROOT / "pipelines" / "configs" / "embedded.yaml"
+EMBEDDED = EMBEDDED_CONFIG
 
 
 def _tspo_class():
@@ -79,11 +80,11 @@ def test_evaluations_are_kept_only_when_what_decides_them_is_unchanged(capsys):
               "retriever": {}, "eval": {}, "warm_start": {}, "learner": {"lr": 1e-5}}  # fmt: skip
     previous = {"config": config, "eval_before": {"em": 0.5}, "eval_base": {"em": 0.0}}
     more_steps = {**config, "learner": {"lr": 2e-5}}  # training settings may change
-    assert _kept_evaluations(previous, more_steps) == {
+    assert kept_evaluations(previous, more_steps) == {
         "eval_before": {"em": 0.5}, "eval_base": {"em": 0.0}
     }  # fmt: skip
     other_data = {**config, "data": {"eval_questions": 8}}
-    assert _kept_evaluations(previous, other_data) == {}
+    assert kept_evaluations(previous, other_data) == {}
     assert "changes data" in capsys.readouterr().out
 
 
@@ -127,7 +128,7 @@ def test_a_damaged_metrics_row_is_named(tmp_path):
 
 
 def test_the_storage_folder_holds_the_runs_outputs_and_a_new_head_fetches_them(tmp_path):
-    from ray_credit.pipeline.recipe import _sync_outputs
+    from ray_credit.pipeline.outputs import sync_outputs
     from ray_credit.storage import StoragePath
 
     head = tmp_path / "head" / "run"
@@ -135,20 +136,20 @@ def test_the_storage_folder_holds_the_runs_outputs_and_a_new_head_fetches_them(t
     (head / "summary.json").write_text('{"steps": 2}')
     (head / "metrics.jsonl").write_text('{"pipeline/step": 1}\n')
     storage = StoragePath(f"file://{tmp_path}/bucket/run")
-    _sync_outputs(head, storage)
+    sync_outputs(head, storage)
     assert (tmp_path / "bucket" / "run" / "summary.json").read_text() == '{"steps": 2}'
     assert not (tmp_path / "bucket" / "run" / "plot.png").exists()  # not made yet
 
     new_head = tmp_path / "new_head" / "run"  # a resume on another machine
     new_head.mkdir(parents=True)
     (new_head / "summary.json").write_text('{"steps": 3}')  # what is here is kept
-    _sync_outputs(new_head, storage, fetch=True)
+    sync_outputs(new_head, storage, fetch=True)
     assert (new_head / "metrics.jsonl").read_text() == '{"pipeline/step": 1}\n'
     assert (new_head / "summary.json").read_text() == '{"steps": 3}'
 
 
 def test_a_storage_path_that_cannot_be_written_is_refused_before_ray(tmp_path):
-    from ray_credit.pipeline.recipe import _run_storage
+    from ray_credit.pipeline.outputs import run_storage
 
     cls = _tspo_class()
     (tmp_path / "a_file").write_text("")
@@ -156,7 +157,7 @@ def test_a_storage_path_that_cannot_be_written_is_refused_before_ray(tmp_path):
                           (str(tmp_path / "a_file"), "cannot write there")]:  # fmt: skip
         cfg = cls(storage_path=where)
         with pytest.raises(InputError, match=f"storage_path=.*{reason}.*s3://bucket/runs"):
-            _run_storage(cfg, tmp_path / "out")
-    assert str(_run_storage(cls(name="mine"), tmp_path / "out")) == str(tmp_path / "out")
+            run_storage(cfg, tmp_path / "out")
+    assert str(run_storage(cls(name="mine"), tmp_path / "out")) == str(tmp_path / "out")
     with pytest.raises(ValueError, match="storage_path must be a path or a URI"):
         cls(storage_path=" ")

@@ -80,13 +80,13 @@ def test_counts_and_settings_are_checked():
 
 
 def test_eval_summary_change_and_plot(tmp_path):
+    from ray_credit.pipeline.evaluation import describe_change, eval_change, eval_summary
     from ray_credit.pipeline.outputs import plot, smooth
-    from ray_credit.pipeline.recipe import _eval_summary, describe_change, eval_change
     from ray_credit.testing import random_batch
 
     batch = random_batch(0, num_groups=6, group_size=1)
     batch = batch.with_traj_columns({"data_source": ["synthetic_1hop", "synthetic_2hop"] * 3})
-    summary = _eval_summary(batch)
+    summary = eval_summary(batch)
     assert len(summary["correct"]) == 6 and set(summary["correct"].values()) <= {0, 1}
     assert summary["em"] == pytest.approx(np.mean(list(summary["correct"].values())))
     low, high = summary["em_interval"]
@@ -125,21 +125,21 @@ def test_a_sampled_evaluation_scores_each_question_by_its_share_of_right_samples
     """eval.samples: G rollouts per question; a question scores the share of its rollouts
     that are right, the keys pair it with the greedy evaluation's, and no Wilson interval
     is claimed (a question's samples are not independent of each other)."""
+    from ray_credit.pipeline.evaluation import describe_change, eval_change, eval_summary
     from ray_credit.pipeline.outputs import plot
-    from ray_credit.pipeline.recipe import _eval_summary, describe_change, eval_change
     from ray_credit.testing import random_batch
 
     batch = random_batch(0, num_groups=4, group_size=3, singleton_frac=0.0)
     sources = [s for s in ("synthetic_1hop", "synthetic_2hop") * 2 for _ in range(3)]
     rewards = [1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0]
     batch = batch.with_traj_columns({"data_source": sources, "outcome_reward": rewards})
-    summary = _eval_summary(batch)
+    summary = eval_summary(batch)
     assert summary["samples"] == 3 and summary["questions"] == 4
     assert list(summary["correct"].values()) == pytest.approx([1 / 3, 1.0, 0.0, 2 / 3])
     assert summary["em"] == pytest.approx(0.5) and summary["em_interval"] is None
     assert summary["em_by_source"] == pytest.approx({"synthetic_1hop": 1 / 6,
                                                      "synthetic_2hop": 5 / 6})  # fmt: skip
-    greedy = _eval_summary(random_batch(0, num_groups=4, group_size=1).with_traj_columns(
+    greedy = eval_summary(random_batch(0, num_groups=4, group_size=1).with_traj_columns(
         {"data_source": sources[::3]}))  # fmt: skip
     assert list(greedy["correct"]) == list(summary["correct"])  # the same keys, in order
     assert greedy["samples"] == 1

@@ -1,0 +1,453 @@
+"""A run's settings: one config section per part of the run, the run config that holds
+them, and how a pipeline script builds it.
+
+A pipeline script (``pipelines/tspo.py``) is a run config with its estimator's section
+plus one call: ``main(TSPORun, "tspo", __doc__)``. Settings come from, in order: the
+config classes' defaults (general ones: Search-R1's rollout protocol, verl's learner), the
+estimator's recipe (the loss, KL and signal settings its paper trains with;
+:mod:`ray_credit.pipeline.plan`), one YAML file (``--config``; by default
+:data:`EMBEDDED_CONFIG`, the small CPU run of the embedded model, shipped in the package)
+and the flags. ``--help`` shows the result; an unknown flag or key is refused with the
+nearest settings.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ray_credit.actors.generator import RETRIEVAL_TIMEOUT_S, GeneratorConfig
+from ray_credit.actors.judge import Backend as JudgeBackend
+from ray_credit.actors.learner import LearnerConfig, Strategy
+from ray_credit.actors.retriever import EncoderConfig, IndexConfig
+from ray_credit.config import check_fields
+from ray_credit.data import WorldConfig
+from ray_credit.log import LogLevel, log
+from ray_credit.pipeline.plan import recipe_defaults
+from ray_credit.pipeline.runner import PipelineConfig, checkpoint_state
+from ray_credit.warm_start import WarmStartConfig
+
+__all__ = [
+    "EMBEDDED_CONFIG",
+    "DataConfig",
+    "EvalConfig",
+    "JudgeConfig",
+    "ResourcesConfig",
+    "RetrieverConfig",
+    "RunConfig",
+    "foreign_sections",
+    "load_config",
+]
+
+EMBEDDED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml"
+"""The embedded run's settings (SmolLM2-135M, MiniLM, the synthetic world, sized for a
+2-core CPU): what a pipeline script trains when no ``--config`` is given."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where questions and documents come from."""
+
+    questions: str = "synthetic"
+    """'synthetic' (the seeded world) or a Search-R1 parquet / jsonl question file."""
+    corpus: str | None = None
+    """A FlashRAG jsonl corpus (needed with a question file; the world brings its own)."""
+    eval_questions: int = 24
+    """Questions held out for evaluation (taken from the question set, never trained on)."""
+    eval_file: str | None = None
+    """A separate evaluation question file (then nothing is held out of the training set)."""
+    world: WorldConfig = field(default_factory=WorldConfig)
+    """The synthetic world's settings."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.questions == "synthetic" and self.corpus is not None:
+            raise ValueError(
+                f"data.corpus={self.corpus!r} is set but data.questions is 'synthetic', which "
+                "brings its own corpus: give the question file it belongs to "
+                "(--data.questions FILE), or drop data.corpus"
+            )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Exact match before and after training: greedy, one rollout per question (and,
+    with ``samples``, the sampled EM too)."""
+
+    enabled: bool = True
+    """Evaluate before and after training."""
+    before_warm_start: bool = True
+    """With a warm-start, also evaluate the policy before it (its gain is then reported
+    apart from RL's)."""
+    max_new_tokens: int | None = None
+    """Token limit per turn (None: the generator's)."""
+    samples: int = 0
+    """Also roll out every held-out question this many times with the generator's
+    sampling settings (temperature, top_p, seed) and report the sampled EM: the mean over
+    the samples, per question, with its paired interval. It measures the sampled policy
+    RL optimizes, and moves with it before a greedy answer flips; it costs about this
+    many times the greedy evaluation. 0: greedy only."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(
+                f"eval.max_new_tokens must be >= 1, or null for the generator's, got "
+                f"{self.max_new_tokens}"
+            )
+        if self.samples < 0:
+            raise ValueError(f"eval.samples must be >= 0 (0: greedy only), got {self.samples}")
+
+
+@dataclass(frozen=True)
+class RetrieverConfig:
+    """What the generators search: an index built here, or an existing server."""
+
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    """The query and passage encoder."""
+    index: IndexConfig = field(default_factory=IndexConfig)
+    """The faiss index."""
+    index_folder: str | None = None
+    """Where the index is saved, and loaded from when it is there (None: a shared cache
+    folder keyed by the corpus, encoder and index settings, $RAY_CREDIT_CACHE/indexes/...,
+    so every run, method, seed and resume over them builds it once)."""
+    url: str | None = None
+    """An existing Search-R1 style /retrieve server (http://host:port/retrieve) to search
+    instead of building an index; the corpus then only feeds the judges."""
+    timeout_s: float = RETRIEVAL_TIMEOUT_S
+    """Longest wait for one retrieval call from a generator."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(
+                f"retriever.timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
+            )
+        _check_url("retriever.url", self.url, "http://host:8000/retrieve")
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """The judge pool of CW-GRPO and Search-P1."""
+
+    backend: JudgeBackend = "evidence"
+    """'evidence' (from gold answers and supporting documents, in the stage task), 'hf'
+    (a local model on judge actors) or 'openai' (any OpenAI-compatible endpoint)."""
+    model: str | None = None
+    """hf: the judge model (an embedded name, HF id or folder); openai: the served
+    model's name."""
+    base_url: str | None = None
+    """openai: the endpoint (e.g. a vLLM server's http://host:8000/v1)."""
+    num_actors: int = 1
+    """Judge actors of an LLM backend (the evidence judge needs none)."""
+    batch_size: int = 16
+    """Judgements per backend call."""
+    max_concurrency: int = 8
+    """Backend calls in flight per chunk's stage task (each judge actor runs at most
+    ceil(max_concurrency / num_actors) at once)."""
+    timeout_s: float = 60.0
+    """Per backend call: one HTTP request (openai), one generate (hf)."""
+    max_retries: int = 3
+    """Retries of a failed HTTP request, and of a call whose judge actor died."""
+    guided: bool | None = None
+    """Constrain replies to each signal's reply schema (None: on for hf, so small judges
+    answer in form; off for openai, where it asks for a json_schema response format)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # backend among its choices too
+        for name, least in (("batch_size", 1), ("max_concurrency", 1), ("max_retries", 0),
+                            ("num_actors", 0)):  # fmt: skip
+            if getattr(self, name) < least:
+                raise ValueError(f"judge.{name} must be >= {least}, got {getattr(self, name)}")
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(
+                f"judge.timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
+            )
+        _check_url("judge.base_url", self.base_url, "http://host:8000/v1")
+
+    def check(self) -> None:
+        """Checks across fields (once the whole config is assembled)."""
+        if self.backend != "evidence" and not self.model:
+            raise ValueError(f"judge.backend={self.backend!r} needs judge.model")
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("judge.backend='openai' needs judge.base_url (http://host:port/v1)")
+        if self.backend != "evidence" and self.num_actors < 1:
+            raise ValueError(
+                "an LLM judge runs on actors in a pipeline: judge.num_actors must be >= 1"
+            )
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """What each actor asks Ray for (local runs: logical CPUs of one machine)."""
+
+    num_generators: int = 1
+    """Generator actors (each a full model replica)."""
+    generator_cpus: float = 1.0
+    """CPUs per generator (Ray gives an actor as many torch threads)."""
+    generator_gpus: float = 0.0
+    """GPUs per generator."""
+    generator_max_restarts: int = 2
+    """How often Ray may restart a generator whose process died; the pipeline re-sends it
+    the current weights and the call it lost (0: a dead generator leaves the pool)."""
+    learner_workers: int = 1
+    """Learner replicas (>1: data parallel, strategy below)."""
+    learner_cpus: float = 2.0
+    """CPUs per learner replica."""
+    learner_strategy: Strategy = "ddp"
+    """With learner_workers > 1: 'ddp' (a full replica per worker) or 'fsdp' (parameters,
+    gradients and optimizer state sharded over the workers)."""
+    use_gpu: bool = False
+    """Train on GPUs (one per learner replica)."""
+    retriever_cpus: float = 0.25
+    """CPUs of the retriever actor."""
+    judge_cpus: float = 0.25
+    """CPUs of each judge actor (LLM backends)."""
+    eval_cpus: float = 2.0
+    """CPUs of the evaluation generator (busy only before and after training)."""
+    local_cpus: int | None = None
+    """Logical CPUs of a local Ray started by the script (None: the machine's, at least 6:
+    the actors ask for more CPUs than they keep busy at once)."""
+    generator_resource: str | None = None
+    """A custom resource that each generator, the evaluation generator and the info-gain
+    scorer ask one unit of, to land on a cluster's generator nodes (cluster.yaml:
+    'generator'; None: none)."""
+    learner_resource: str | None = None
+    """A custom resource that each learner replica asks one unit of (cluster.yaml:
+    'learner'; None: none)."""
+    service_resource: str | None = None
+    """A custom resource that the retriever and each judge actor ask one unit of
+    (cluster.yaml: 'service'; None: none)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # learner_strategy among its choices too: at parse time
+        for name in ("num_generators", "learner_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"resources.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("generator_cpus", "generator_gpus", "learner_cpus", "retriever_cpus",
+                     "judge_cpus", "eval_cpus"):  # fmt: skip
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"resources.{name} must be a finite number >= 0, got {getattr(self, name)}"
+                )
+        if self.generator_max_restarts < -1:
+            raise ValueError(
+                "resources.generator_max_restarts must be >= 0, or -1 for as many as Ray "
+                f"allows, got {self.generator_max_restarts}"
+            )
+        if self.local_cpus is not None and self.local_cpus < 1:
+            raise ValueError(
+                f"resources.local_cpus must be >= 1, or null for the machine's, got "
+                f"{self.local_cpus}"
+            )
+
+    def custom(self, role: str) -> dict[str, float]:
+        """The custom resources of an actor of ``role`` ('generator', 'learner',
+        'service'): one unit of the configured resource, or none."""
+        name = getattr(self, f"{role}_resource")
+        return {name: 1.0} if name else {}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run."""
+
+    name: str = "run"
+    """Run name: the output folder and the wandb run."""
+    model: str = "smollm2-135m"
+    """Policy: an embedded name, an HF id or a folder."""
+    output_dir: str = "runs"
+    """Outputs go to output_dir/name."""
+    resume: str | None = None
+    """A checkpoint folder to continue from (storage_path/name/checkpoint, a path or a URI)."""
+    storage_path: str | None = None
+    """Where the checkpoints go, and a copy of summary.json, metrics.jsonl and plot.png:
+    storage_path/name (None: output_dir). A path, or a URI pyarrow opens (s3://bucket/runs,
+    gs://..., hdfs://...), as Ray Train's RunConfig(storage_path) takes; on a multi-node
+    cluster, one every node sees (a shared filesystem or a bucket)."""
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    """'offline' (default), 'online' (needs a key: WANDB_API_KEY or `wandb login`) or 'disabled'."""
+    log_level: LogLevel = "info"
+    """What the run prints: 'info' (each stage and step), 'warning' (problems only),
+    'error', or 'debug' (also the libraries' own logs: vLLM, transformers, warnings)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised fine-tuning on scripted demonstrations before RL (ray_credit.warm_start)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if (
+            not self.name
+            or self.name.strip() != self.name
+            or "/" in self.name
+            or "\\" in self.name
+            or self.name in (".", "..")
+        ):
+            raise ValueError(
+                f"name={self.name!r} must be a plain folder name (no slashes, not '.' or "
+                "'..', not blank): the run is written to output_dir/name"
+            )
+        if not self.model:
+            raise ValueError("model must name a model: an embedded name, an HF id or a folder")
+        if self.storage_path is not None and not self.storage_path.strip():
+            raise ValueError(
+                "storage_path must be a path or a URI such as s3://bucket/runs (None: output_dir)"
+            )
+
+    def check(self) -> None:
+        """Checks across sections (run once the whole config is assembled)."""
+        gen_t = self.generator.temperature or 1.0
+        if abs(gen_t - self.learner.temperature) > 1e-9:
+            raise ValueError(
+                f"learner.temperature ({self.learner.temperature}) must equal the generator's "
+                f"sampling temperature ({gen_t}; greedy: 1), or the on-policy ratio is not 1: "
+                f"pass --generator.temperature T --learner.temperature T together"
+            )
+        if self.generator.group_size < 2:
+            raise ValueError(
+                f"generator.group_size={self.generator.group_size}: every estimator compares "
+                "the G samples of a question with each other, and one sample has nothing to "
+                "compare with (its group-normalized advantage is 0, or under GRPO's singleton "
+                "rule the raw reward with no baseline); use --generator.group_size 2 or more "
+                "(Search-R1 and the papers use 5)"
+            )
+        if self.generator.backend == "vllm":
+            _check_vllm(self.generator, self.resources, self.pipeline)
+
+
+def _check_url(name: str, url: str | None, example: str) -> None:
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ValueError(f"{name}={url!r} must be an http:// or https:// URL, e.g. {example}")
+
+
+def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig) -> None:
+    if pipe.weight_sync != "object_store":
+        raise ValueError(
+            f"pipeline.weight_sync={pipe.weight_sync!r} broadcasts into the generators' own "
+            "memory, which vLLM's workers do not join: vLLM generators load published weights "
+            "through the object store; use --pipeline.weight_sync object_store"
+        )
+    tp = gen.vllm.tensor_parallel_size
+    if tp > 1 and res.generator_gpus != tp:
+        raise ValueError(
+            f"generator.vllm.tensor_parallel_size={tp} spans {tp} GPUs, but each generator "
+            f"asks Ray for resources.generator_gpus={res.generator_gpus:g}; set them equal"
+        )
+
+
+def load_config(
+    cls: type,
+    estimator: str,
+    argv: Sequence[str] | None = None,
+    *,
+    doc: str | None = None,
+    default_config: str | Path | None = EMBEDDED_CONFIG,
+) -> Any:
+    """``cls`` from its defaults, the estimator's recipe, the YAML file (``--config``, else
+    ``default_config``; None: none) and the flags in ``argv``, in that order. A flag or key
+    no section of ``cls`` has is refused with the nearest settings, or, for another
+    method's section, with the pipeline it belongs to (:func:`foreign_sections`)."""
+    from ray_credit.config import apply_overrides, parse_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults = recipe_defaults(cls(), estimator)
+    resumed = _resumed_settings(argv)
+    if resumed is not None:  # the run being resumed replaces the default file
+        try:
+            defaults = apply_overrides(defaults, resumed)
+        except (TypeError, ValueError) as err:
+            from ray_credit.config import InputError
+
+            raise InputError(
+                f"--resume: the checkpoint's run config does not fit this pipeline ({err}); "
+                "resume it with the pipeline that wrote it"
+            ) from None
+        default_config = None
+    return parse_config(
+        cls,
+        argv,
+        description=doc,
+        defaults=defaults,
+        default_config=default_config,
+        foreign_sections=foreign_sections(cls),
+    )
+
+
+def foreign_sections(cls: type) -> dict[str, str]:
+    """The sections that other methods' run configs have and ``cls`` lacks (an estimator's,
+    a signal's, the judge's), each with the sentence that says where it belongs, for the
+    error a setting of one gets (``--igpo.gamma`` given to ``pipelines/tspo.py``)."""
+    import dataclasses
+
+    from ray_credit.estimators import ESTIMATORS
+    from ray_credit.signals import get_signal
+
+    own = {f.name for f in dataclasses.fields(cls)}
+    users: dict[str, list[str]] = {}
+    for name, est in ESTIMATORS.items():
+        users.setdefault(name, []).append(name)
+        for signal in est.signals:
+            if dataclasses.fields(get_signal(signal)):  # a signal with settings has a section
+                users.setdefault(signal, []).append(name)
+            if get_signal(signal).service == "judge":
+                users.setdefault("judge", []).append(name)
+    trained = [name for name in own if name in ESTIMATORS]
+    this = f"; this run trains {trained[0]} (its settings: --{trained[0]}.*)" if trained else ""
+    scripts = Path(sys.argv[0]).resolve().parent  # pipelines/, when a script runs
+    out = {}
+    for section, names in users.items():
+        if section in own:
+            continue
+        names = list(dict.fromkeys(names))
+        shipped = [f"pipelines/{n}.py" for n in names if (scripts / f"{n}.py").is_file()]
+        where = f" ({', '.join(shipped)})" if shipped else ""
+        whose = (
+            f"the {section} estimator's"
+            if section in ESTIMATORS
+            else "the judge's"
+            if section == "judge"
+            else f"the {section} signal's"
+        )
+        out[section] = (
+            f"--{section}.* are {whose} settings, for a run that trains "
+            f"{' or '.join(names)}{where}{this}"
+        )
+    return out
+
+
+def _resumed_settings(argv: Sequence[str]) -> dict[str, Any] | None:
+    """The settings of the run ``--resume`` continues (``{"section.field": value}``, what
+    :func:`~ray_credit.pipeline.recipe.train` saved with its checkpoints), so that a resume repeats none of its flags;
+    ``--config`` and flags given with ``--resume`` still override them. None without
+    ``--resume`` (or ``--help``), or for a checkpoint saved without its run's settings."""
+    import argparse
+
+    from ray_credit.config import _flatten
+
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--resume")
+    first.add_argument("-h", "--help", action="store_true")
+    known, _ = first.parse_known_args(argv)
+    if known.help or known.resume in (None, "none", "None"):
+        return None
+    from ray_credit.pipeline.preflight import check_resume_folder
+
+    chosen = check_resume_folder(known.resume)  # refused here, naming it, when not whole
+    run = checkpoint_state(chosen)["metadata"].get("run_config")
+    if run is None:
+        log.info(
+            f"note: {chosen} holds no run config (an older checkpoint): the settings come "
+            "from the defaults, --config and the flags, as for a new run",
+        )
+        return None
+    return {key: value for key, value in _flatten(run) if key != "resume"}

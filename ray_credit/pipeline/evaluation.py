@@ -1,0 +1,277 @@
+"""Held-out exact match: a greedy (and, with ``eval.samples``, a sampled) rollout of every
+held-out question by a generator on the policy's current weights, summarized where the
+batch is, and the paired change between two evaluations of the same questions with its
+95 % bootstrap interval (:func:`ray_credit.stats.paired_difference`), overall and per
+data source.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_credit.log import log
+from ray_credit.pipeline.services import make_generators
+from ray_credit.warm_start import settings_fingerprint
+
+__all__ = [
+    "describe_change",
+    "eval_change",
+    "eval_metrics",
+    "eval_summary",
+    "evaluate",
+    "evaluate_policy",
+    "question_key",
+    "report_change",
+    "sampled_title",
+    "submit_evaluation",
+]
+
+
+def evaluate_policy(
+    cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str
+) -> dict:
+    """Exact match of a greedy generator on the learner's current weights (no learner:
+    ``cfg.model``'s own) and, with ``eval.samples``, of ``eval.samples`` sampled rollouts
+    per question (under ``"sampled"``); each generator lives only for its evaluation, so
+    it holds no resources while training."""
+    greedy = replace(
+        cfg.generator,
+        temperature=0.0,
+        group_size=1,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.generator.max_new_tokens,
+    )
+    result = _rollout_evaluation(cfg, retriever, learner, questions, when, greedy)
+    if cfg.eval.samples:
+        sampled = replace(greedy, temperature=cfg.generator.temperature,
+                          group_size=cfg.eval.samples)  # fmt: skip
+        result["sampled"] = _rollout_evaluation(cfg, retriever, learner, questions, when, sampled)
+    return result
+
+
+def _rollout_evaluation(
+    cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str, gen: Any
+) -> dict:
+    """One evaluation of :func:`evaluate_policy`: ``gen``'s rollouts of ``questions``
+    (kept in the warm-started policy's folder, and reused from there, at version 0)."""
+    import ray
+
+    t0 = time.perf_counter()
+    version = learner.policy_version if learner is not None else 0
+    cached = _evaluation_file(cfg, gen, questions) if version == 0 else None
+    greedy = gen.group_size == 1
+    what = "EM" if greedy else "sampled EM"
+    how = "" if greedy else f" ({gen.group_size} samples each at temperature {gen.temperature:g})"
+    if cached is not None and cached.is_file():
+        result = json.loads(cached.read_text())
+        log.info(
+            f"eval {when}: {what} {result['em']:.3f} on {len(questions)} held-out questions"
+            f"{how} (policy version 0: the {'greedy' if greedy else 'sampled'} "
+            f"evaluation of the same policy, questions and settings saved in {cached})",
+        )
+        return {**result, "reused": str(cached)}
+    (actor,) = make_generators(
+        cfg.model, retriever, cfg, gen, prefix=None, count=1, num_cpus=cfg.resources.eval_cpus
+    )
+    if version > 0:
+        ray.get(
+            actor.update_weights.remote(version, learner.weights()), timeout=cfg.pipeline.timeout_s
+        )
+    result = evaluate(actor, questions, cfg.pipeline.timeout_s)
+    ray.kill(actor)
+    if cached is not None:
+        cached.parent.mkdir(exist_ok=True)
+        partial = cached.with_suffix(".partial")
+        partial.write_text(json.dumps(result))
+        partial.rename(cached)  # whole or absent
+    log.info(
+        f"eval {when}: {what} {result['em']:.3f} on {len(questions)} held-out questions{how} "
+        f"(policy version {version}, {time.perf_counter() - t0:.0f}s)",
+    )
+    return result
+
+
+def _evaluation_file(cfg: Any, gen: Any, questions: list[dict]) -> Path | None:
+    """Where the evaluation of a warm-started policy (unchanged since it was saved)
+    on ``questions`` is kept, in the policy's folder, named by a fingerprint of everything
+    that decides it: the warm start's own fingerprint, the questions and their answers,
+    the generator, retriever and data settings. Runs of several methods from one warm
+    start (bench/learning.py) then evaluate it once. None: not a warm-started folder, or
+    an external retriever (its index can change under the same URL)."""
+    manifest = Path(cfg.model) / "warm_start.json"
+    if not manifest.is_file() or cfg.retriever.url:
+        return None
+    settings = {
+        "warm_start": json.loads(manifest.read_text())["fingerprint"],
+        "questions": [[q["question"], list(q.get("golden_answers") or ())] for q in questions],
+        "generator": asdict(gen),
+        "retriever": asdict(cfg.retriever),
+        "data": asdict(cfg.data),
+    }
+    return Path(cfg.model) / "evaluations" / f"{settings_fingerprint(settings)}.json"
+
+
+def submit_evaluation(generator: Any, questions: Sequence[Mapping[str, Any]]) -> Any:
+    """An ObjectRef to the exact match (overall and per data source) of ``generator``'s
+    rollouts of ``questions``; the batch is summarized by a task, never fetched here."""
+    import ray
+
+    batch = generator.generate.remote(list(questions), progress="held-out rollouts")
+    return ray.remote(eval_summary).options(num_cpus=0).remote(batch)
+
+
+def evaluate(generator: Any, questions: Sequence[Mapping[str, Any]], timeout_s: float) -> dict:
+    """:func:`submit_evaluation`, waited for."""
+    import ray
+
+    return ray.get(submit_evaluation(generator, questions), timeout=timeout_s)
+
+
+def question_key(position: int, question: str) -> str:
+    """How an evaluation names a question in its per-question outcomes: an evaluation
+    rolls its list out in order, one trajectory per question, so "<position>:<question>"
+    pairs it with another evaluation of the same list (and tells repeats apart)."""
+    return f"{position}:{question}"
+
+
+def eval_summary(batch: Any) -> dict[str, Any]:
+    """Exact match of the rollouts of each question (one, greedy; or several sampled:
+    then a question's score is the share of its rollouts that are right), overall and per
+    data source (runs where the batch is, in a Ray task)."""
+    from ray_credit.stats import proportion_interval
+
+    right = (batch.traj_values("outcome_reward") >= 1.0).astype(np.float64)
+    searched = (batch.turn_values("turns.action") == "search").astype(np.int64)
+    searches = np.add.reduceat(searched, batch.turn_offsets[:-1]) if len(batch) else searched
+    starts = batch.group_starts if len(batch) else np.zeros(0, np.int64)
+
+    def per_question(values: np.ndarray) -> np.ndarray:
+        """Mean over each question's rollouts (groups come in the order of the questions)."""
+        return np.add.reduceat(values, starts) / batch.group_sizes if len(batch) else values
+
+    score, search = per_question(right), per_question(searches)
+    sources = [s or "unknown" for s in batch.column("data_source").to_pylist()]
+    sources = [sources[i] for i in starts]
+    questions = batch.column("question").to_pylist()
+    keys = [question_key(g, questions[i]) for g, i in enumerate(starts)]
+    per_source: dict[str, list[float]] = {}
+    searches_by_source: dict[str, list[float]] = {}
+    for source, r, s in zip(sources, score, search, strict=True):
+        per_source.setdefault(source, []).append(float(r))
+        searches_by_source.setdefault(source, []).append(float(s))
+    samples = int(batch.group_sizes.max()) if len(batch) else 1
+    m, n = batch.metrics, max(len(batch), 1)
+    return {
+        "em": float(right.mean()) if len(batch) else 0.0,
+        # a Wilson interval holds for one rollout per question (its outcomes independent)
+        "em_interval": list(proportion_interval(int(right.sum()), len(right)))
+        if len(batch) and samples == 1
+        else None,
+        "em_by_source": {k: float(np.mean(v)) for k, v in sorted(per_source.items())},
+        "count_by_source": {k: len(v) for k, v in sorted(per_source.items())},
+        "correct": dict(
+            zip(keys, [float(v) if samples > 1 else int(v) for v in score], strict=True)
+        ),
+        "source": dict(zip(keys, sources, strict=True)),
+        "answered": m.get("gen/answered", 0.0) / n,
+        "searches_per_traj": m.get("gen/searches", 0.0) / n,
+        "searches_by_source": {k: float(np.mean(v)) for k, v in sorted(searches_by_source.items())},
+        "questions": len(keys),
+        "samples": samples,
+    }
+
+
+def eval_metrics(result: Mapping[str, Any]) -> dict[str, float]:
+    low, high = result.get("em_interval") or (result["em"], result["em"])
+    metrics = {"eval/em": result["em"], "eval/em_low": low, "eval/em_high": high}
+    if "sampled" in result:
+        metrics["eval/em_sampled"] = result["sampled"]["em"]
+    return metrics
+
+
+def eval_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, dict]:
+    """EM after minus EM before on the same held-out questions, with a paired 95 %
+    bootstrap interval (:func:`ray_credit.stats.paired_difference`), overall ("all") and
+    per data source."""
+    from ray_credit.stats import paired_difference
+
+    change = {"all": paired_difference(before["correct"], after["correct"])}
+    for source in sorted(set(before["source"].values())):
+        keys = [k for k, s in before["source"].items() if s == source]
+        change[source] = paired_difference(
+            {k: before["correct"][k] for k in keys}, {k: after["correct"][k] for k in keys}
+        )
+    return change
+
+
+def report_change(summary: dict, logger: Any, step: int) -> None:
+    """The paired change of held-out EM from before training to after (and the
+    warm-start's own, when the base policy was evaluated): kept, printed and logged."""
+    before, after = summary["eval_before"], summary["eval_after"]
+    summary["eval_change"] = eval_change(before, after)
+    log.info(describe_change(before, after, summary["eval_change"]))
+    if "eval_base" in summary:
+        summary["eval_change_warm_start"] = eval_change(summary["eval_base"], before)
+        warm = describe_change(summary["eval_base"], before, summary["eval_change_warm_start"])
+        log.info(f"the warm-start's part ({warm})")
+    change = summary["eval_change"]["all"]
+    metrics = {"eval/em_change": change["diff"], "eval/em_change_low": change["low"],
+               "eval/em_change_high": change["high"]}  # fmt: skip
+    if "sampled" in before and "sampled" in after:
+        b, a = before["sampled"], after["sampled"]
+        summary["eval_change_sampled"] = eval_change(b, a)
+        log.info(describe_change(b, a, summary["eval_change_sampled"], sampled_title(b, a)))
+        sampled = summary["eval_change_sampled"]["all"]
+        metrics |= {"eval/em_sampled_change": sampled["diff"],
+                    "eval/em_sampled_change_low": sampled["low"],
+                    "eval/em_sampled_change_high": sampled["high"]}  # fmt: skip
+    logger.log(metrics, step=step)
+
+
+def describe_change(
+    before: Mapping,
+    after: Mapping,
+    change: Mapping[str, dict],
+    title: str = "held-out EM, paired on the same questions",
+) -> str:
+    """Lines saying how held-out EM moved, with the paired interval, overall and per
+    source, under ``title``."""
+    lines = []
+    for name, c in change.items():
+        em_b = before["em"] if name == "all" else before["em_by_source"][name]
+        em_a = after["em"] if name == "all" else after["em_by_source"][name]
+        verdict = "excludes 0" if c["low"] > 0 or c["high"] < 0 else "includes 0"
+        lines.append(
+            f"  {name:<16} EM {em_b:.3f} -> {em_a:.3f}  change {c['diff']:+.3f} "
+            f"[95% CI {c['low']:+.3f}, {c['high']:+.3f}; {verdict}]  n={c['n']} "
+            f"({c['better']} better, {c['worse']} worse){_searches(before, after, name)}"
+        )
+    return f"{title}:\n" + "\n".join(lines)
+
+
+def sampled_title(before: Mapping, after: Mapping) -> str:
+    """The title of :func:`describe_change` for the sampled EM (``eval.samples``) of two
+    evaluations, with how many samples each took per question."""
+    b, a = before["samples"], after["samples"]
+    counts = f"{a}" if b == a else f"{b} before, {a} now"
+    return (
+        f"held-out sampled EM ({counts} samples per question), paired on the same questions "
+        "(better/worse: questions whose share of right samples rose/fell)"
+    )
+
+
+def _searches(before: Mapping, after: Mapping, name: str) -> str:
+    """The end of one line of :func:`describe_change`: how searches per question moved,
+    where both evaluations counted them (an older summary did not, per source)."""
+    if name == "all":
+        b, a = before.get("searches_per_traj"), after.get("searches_per_traj")
+    else:
+        b = before.get("searches_by_source", {}).get(name)
+        a = after.get("searches_by_source", {}).get(name)
+    return "" if b is None or a is None else f", searches per question {b:.2f} -> {a:.2f}"

@@ -1,0 +1,168 @@
+"""Checks that run before Ray starts: whatever a user handed us that an actor would
+otherwise refuse minutes later, after the warm-start, with a traceback (a model name, the
+judge's model, the prompt template, the corpus, the encoder, an index folder, a
+checkpoint to resume, demonstrations the warm-start cannot write). Each refusal is an
+:class:`~ray_credit.config.InputError` that names the setting and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ray_credit.storage import StoragePath
+
+__all__ = ["check_model", "check_resume_folder", "checked_demonstrations", "preflight"]
+
+
+def preflight(cfg: Any, train_q: list[dict]) -> None:
+    """Refuse, before Ray starts, what would otherwise fail inside an actor minutes later
+    (after the warm-start, with a traceback): the model, the judge's model, the prompt
+    template, the field steps are stratified by."""
+    from ray_credit.config import InputError
+    from ray_credit.pipeline.runner import _strata
+    from ray_credit.protocol import load_prompt_template
+
+    check_model("model", cfg.model)
+    judge = getattr(cfg, "judge", None)
+    if judge is not None and judge.backend == "hf" and judge.model:
+        check_model("judge.model", judge.model)
+    try:
+        load_prompt_template(cfg.generator.prompt_template)
+    except (OSError, ValueError, TypeError) as err:
+        raise InputError(f"generator.prompt_template: {err}") from None
+    try:
+        _strata(train_q, cfg.pipeline.stratify_by)
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    check_retrieval(cfg)
+
+
+def check_retrieval(cfg: Any) -> None:
+    """The retriever's inputs, before Ray starts: a server's URL answers; else the corpus
+    file's first document reads, the encoder is a preset, a model folder or a known hub id,
+    and an index folder given holds an index (or nothing yet)."""
+    from ray_credit.actors.retriever import check_index_folder, resolve_encoder_path
+    from ray_credit.config import InputError
+    from ray_credit.data.loaders import iter_corpus
+
+    retriever = cfg.retriever
+    if retriever.url:
+        from ray_credit.actors.retrieval_server import RemoteRetriever, RetrievalServiceError
+
+        try:  # a wrong URL fails here, not in every generator mid-run
+            RemoteRetriever(retriever.url, retries=1).search(["connection check"], 1)
+        except (RetrievalServiceError, ValueError) as err:
+            raise InputError(f"retriever.url: {err}") from None
+        return
+    if cfg.data.corpus is not None and cfg.data.questions != "synthetic":
+        try:
+            first = next(iter_corpus(cfg.data.corpus, batch_size=1, check_duplicates=False), None)
+        except InputError as err:
+            raise type(err)(f"data.corpus: {err}") from None
+        if first is None:
+            raise InputError(f"data.corpus {cfg.data.corpus}: the file holds no document")
+    try:
+        encoder = resolve_encoder_path(retriever.encoder.name)
+    except (ImportError, FileNotFoundError) as err:
+        raise InputError(f"retriever.encoder.name: {err}") from None
+    check_model("retriever.encoder.name", encoder)
+    if retriever.index_folder is not None:
+        try:
+            check_index_folder(retriever.index_folder)
+        except (ValueError, OSError) as err:
+            raise InputError(f"retriever.index_folder: {err}") from None
+
+
+def check_model(setting: str, model: str) -> None:
+    """Refuse a model name no actor could load, before Ray starts: an embedded name, a
+    folder with ``config.json`` (a Hugging Face model folder) or an id the hub or its
+    cache knows (only its config is fetched)."""
+    from ray_credit.config import InputError, InputFileNotFoundError
+    from ray_credit.models import EMBEDDED_MODELS, _model_name
+
+    usage = (
+        f"give an embedded name {sorted(EMBEDDED_MODELS)}, a Hugging Face model folder "
+        "(with config.json; a run's policy is its checkpoint's learner/model), or a hub id"
+    )
+    try:
+        name = _model_name(model)  # not a name, blank, or a folder without config.json
+    except (TypeError, InputError) as err:
+        raise InputError(f"{setting}={model!r}: {err}") from None
+    path = Path(name).expanduser()
+    if name in EMBEDDED_MODELS or path.is_dir():
+        return
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise InputFileNotFoundError(f"{setting}={model!r}: no such folder; {usage}")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(
+            f"{setting}={model!r} is not a folder here, and the Hugging Face hub (or its "
+            f"cache) gave no such model ({reason}); {usage}"
+        ) from None
+
+
+def check_resume_folder(folder: str) -> StoragePath:
+    """The checkpoint ``--resume FOLDER`` resumes from (the newest whole one in a run's
+    checkpoint folder, or FOLDER itself: :func:`~ray_credit.pipeline.resolve_checkpoint`;
+    a path or a URI), refused before Ray starts unless it is whole: the pipeline's state
+    (readable JSON) and the learner's part (what :meth:`Pipeline.save` writes)."""
+    from ray_credit.config import InputError, InputFileNotFoundError
+    from ray_credit.pipeline.checkpointing import LEARNER_DIR, STATE_FILE, resolve_checkpoint
+
+    usage = "pass the checkpoint folder a run wrote (storage_path/name/checkpoint)"
+    try:
+        path = StoragePath(folder)
+        found = path.is_dir()
+    except (ValueError, OSError) as err:
+        raise InputError(f"--resume {folder}: {err}; {usage}") from None
+    if not found:
+        raise InputFileNotFoundError(f"--resume {folder}: no such folder; {usage}")
+    if (path / "checkpoint").is_dir() and not (path / STATE_FILE).is_file():
+        raise InputError(
+            f"--resume {folder}: that is a run's folder; its checkpoint is "
+            f"{path / 'checkpoint'}: --resume {path / 'checkpoint'}"
+        )
+    try:
+        chosen = resolve_checkpoint(path)
+    except FileNotFoundError as err:
+        raise InputError(f"--resume {folder}: {err}; {usage}") from None
+    where = "" if chosen == path else f" ({chosen.name}, the newest there)"
+    if not (chosen / LEARNER_DIR).is_dir():
+        raise InputError(
+            f"--resume {folder}{where}: not a pipeline checkpoint (it has no learner); {usage}"
+        )
+    try:
+        json.loads((chosen / STATE_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(
+            f"--resume {folder}{where}: {STATE_FILE} is damaged ({err}); resume from an "
+            "intact checkpoint"
+        ) from None
+    return chosen
+
+
+def checked_demonstrations(cfg: Any, corpus: Any, questions: list[dict]) -> dict[str, str]:
+    """The titles of the documents the training questions' demonstrations search, by id,
+    once every demonstration is known to be writable (refused here, before Ray starts,
+    when one is not)."""
+    from ray_credit.actors.retriever import Corpus
+    from ray_credit.config import InputError
+    from ray_credit.warm_start import expert_turns
+
+    if cfg.warm_start.questions > len(questions):
+        raise InputError(
+            f"warm_start.questions={cfg.warm_start.questions} is more than the "
+            f"{len(questions)} training questions; give at most {len(questions)} (0: all)"
+        )
+    docs = Corpus.coerce(corpus)
+    titles = {i: c.partition("\n")[0] for i, c in zip(docs.ids, docs.contents, strict=True)}
+    for q in questions:
+        expert_turns(q, titles, cfg.generator)
+    needed = {str(i) for q in questions for i in q["supporting_doc_ids"]}
+    return {i: titles[i] for i in needed}  # a large corpus's titles stay here

@@ -1,0 +1,97 @@
+"""The run's questions: which are trained on and which are held out, and Search-P1's
+reference plans for the training questions."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_credit.log import log
+from ray_credit.pipeline.configs import DataConfig
+from ray_credit.pipeline.plan import Plan
+
+__all__ = ["load_data", "with_reference_plans"]
+
+
+def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dict]]:
+    """(corpus, training questions, evaluation questions); ``seed`` (the pipeline's)
+    decides which questions are held out."""
+    from ray_credit.config import InputError
+
+    if data.questions == "synthetic":
+        from ray_credit.data import make_world
+
+        world = make_world(data.world)
+        corpus, questions = world.corpus, list(world.questions)
+    else:
+        from ray_credit.data.loaders import load_qa
+
+        if data.corpus is None:
+            raise InputError(
+                f"data.questions={data.questions!r} needs data.corpus (FlashRAG jsonl)"
+            )
+        if not Path(data.corpus).is_file():
+            raise InputError(
+                f"data.corpus {data.corpus!r} does not exist (or is not a file); give a "
+                "FlashRAG jsonl corpus the driver can read"
+            )
+        corpus, questions = data.corpus, load_qa(data.questions)
+    if data.eval_file is not None:
+        from ray_credit.data.loaders import load_qa
+
+        return corpus, questions, load_qa(data.eval_file)
+    if not 0 < data.eval_questions < len(questions):
+        raise InputError(
+            f"data.eval_questions={data.eval_questions} must hold out at least one of the "
+            f"{len(questions)} questions and leave at least one to train on"
+        )
+    order = np.random.default_rng(seed + 7919).permutation(len(questions))
+    held = set(order[: data.eval_questions].tolist())
+    train_q = [q for i, q in enumerate(questions) if i not in held]
+    eval_q = [questions[i] for i in sorted(held)]
+    return corpus, train_q, eval_q
+
+
+def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: Path) -> list[dict]:
+    """The questions with Search-P1's reference plans: the question file's, else the
+    cached ones (``cache``, JSON lines), else made now by the judge pool and cached. A plan
+    the judge failed to make is not cached (the next run asks again); its question's
+    trajectories go unjudged, counted in ``judge/no_evidence``."""
+    if not plan.question_signals:
+        return questions
+    (signal,) = plan.question_signals
+    known: dict[str, list[str]] = {}
+    if cache.is_file():
+        for line in cache.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            known[row["question"]] = row["reference_plan"]
+    todo = [q for q in questions if not q.get("reference_plan") and q["question"] not in known]
+    if todo:
+        t0 = time.perf_counter()
+        made = judges.judge(signal, todo)
+        with cache.open("a", encoding="utf-8") as out:
+            for q, value in zip(todo, made, strict=True):
+                if value is not None:
+                    known[q["question"]] = value["reference_plan"]
+                    row = {"question": q["question"], "reference_plan": value["reference_plan"]}
+                    out.write(json.dumps(row) + "\n")
+        log.info(
+            f"reference plans: {sum(v is not None for v in made)} made of {len(todo)} "
+            f"({time.perf_counter() - t0:.0f}s), kept in {cache}",
+        )
+    out_q = [
+        q if q.get("reference_plan") else {**q, "reference_plan": known.get(q["question"])}
+        for q in questions
+    ]
+    missing = sum(not q["reference_plan"] for q in out_q)
+    if missing:
+        log.warning(
+            f"warning: {missing} of {len(out_q)} training questions have no reference plan "
+            "(the judge failed to make one); their trajectories go unjudged, counted in "
+            "judge/no_evidence",
+        )
+    return out_q
