@@ -73,6 +73,7 @@ QUICK = [  # a smoke run of the machinery, in CI: nothing learns in one step
     "model=tiny-random", "pipeline.steps=1", "pipeline.groups_per_step=2",
     "data.eval_questions=4", "data.world.num_entities=20", "generator.backend=transformers",
     "resources.generator_cpus=0.5", "resources.learner_cpus=0.5", "resources.eval_cpus=0.5",
+    "warm_start.questions=8", "warm_start.epochs=1",
 ]  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 Nothing in ray_credit is edited: the estimator is a frozen config dataclass plus a pure
 function, wrapped in an `Estimator` and registered at run time. Run it with
 
-    python examples/custom_estimator.py                     # on a random batch
+    python examples/custom_estimator.py                     # on a batch of one question
     python examples/custom_estimator.py --pipeline.steps 2  # and in a 2-step training run
 
 The example estimator, "discounted_grpo", gives each turn the GRPO advantage of its
@@ -61,10 +61,13 @@ ESTIMATOR = register_estimator(
 )
 
 
-def train_with_it(steps: int) -> None:
+def train_with_it(steps: int, model: str) -> None:
     """The estimator as the credit stage of a training run (the recipe behind every
     pipeline): generators, learner and the loop are the library's, the credit is ours.
-    The run config has a section named after the estimator, as every pipeline's does."""
+    The run config has a section named after the estimator, as every pipeline's does.
+    SmolLM2 is first warm-started on 24 scripted demonstrations, so that some answers of a
+    group are right and GRPO-style credit has something to compare; a random policy
+    (tiny-random) never answers right, and its run shows the plumbing only."""
     from ray_credit import RunConfig, load_config, train
 
     @dataclass(frozen=True)
@@ -72,23 +75,27 @@ def train_with_it(steps: int) -> None:
         discounted_grpo: DiscountedGRPOConfig = field(default_factory=DiscountedGRPOConfig)
 
     out = tempfile.TemporaryDirectory(prefix="custom_estimator_")  # removed at the end
+    random = model == "tiny-random"
     argv = [
-        "--name", "discounted-grpo", "--model", "tiny-random", "--wandb", "disabled",
-        "--output_dir", out.name, "--data.eval_questions", "4",
-        "--pipeline.steps", str(steps), "--pipeline.groups_per_step", "2",
+        "--name", "discounted-grpo", "--model", model, "--wandb", "disabled",
+        "--output_dir", out.name, "--eval.enabled", "false",
+        "--pipeline.steps", str(steps), "--pipeline.groups_per_step", "4",
         "--resources.learner_cpus", "1", "--discounted_grpo.gamma", "0.8",
-        # a tiny random model: no warm-start or evaluation to show, and the transformers
-        # sampler starts in a second where a vLLM engine takes half a minute
-        "--warm_start.enabled", "false", "--eval.enabled", "false",
-        "--generator.backend", "transformers",
+        "--warm_start.enabled", str(not random), "--warm_start.questions", "24",
+        # the transformers sampler starts in a second where a vLLM engine takes half a
+        # minute: what a tiny model wants
+        *(["--generator.backend", "transformers"] if random else []),
     ]  # fmt: skip
     cfg = load_config(DiscountedRun, "discounted_grpo", argv)  # on the embedded settings
     with out:
         summary = train(cfg, "discounted_grpo")
     last = summary["final_step_metrics"]
+    credited = 1.0 - last["train/groups_zero_advantage"]
     print(
         f"trained {summary['steps']} steps with discounted_grpo: mean discount "
-        f"{last['discounted_grpo/mean_discount']:.3f}, reward {last['train/reward_mean']:.3f}"
+        f"{last['discounted_grpo/mean_discount']:.3f}, reward {last['train/reward_mean']:.3f}, "
+        f"groups with credit in the last step {credited:.0%}, learner steps without a "
+        f"gradient {last['learner/zero_gradient_batches']:.0f} of {summary['steps']}"
     )
 
 
@@ -102,6 +109,9 @@ class PipelineFlags:
 
 @dataclass(frozen=True)
 class Flags:
+    model: str = "smollm2-135m"
+    """The training run's policy: SmolLM2, warm-started first (a few minutes), or
+    tiny-random (a random policy: the plumbing in a minute, no credit to show)."""
     pipeline: PipelineFlags = field(default_factory=PipelineFlags)
 
 
@@ -127,7 +137,7 @@ def main() -> None:
         )
     print({k: round(v, 4) for k, v in out.metrics.items()})
     if args.pipeline.steps:
-        train_with_it(args.pipeline.steps)
+        train_with_it(args.pipeline.steps, args.model)
 
 
 if __name__ == "__main__":

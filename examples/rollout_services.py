@@ -2,7 +2,9 @@
 registered estimator.
 
     python examples/rollout_services.py                       # SmolLM2-135M, a few minutes on 2 cores
-    python examples/rollout_services.py --model tiny-random   # seconds (a random tiny policy)
+    python examples/rollout_services.py --model tiny-random   # seconds: the plumbing (a random
+                                                              # policy never closes a search tag,
+                                                              # so only information gain credits it)
     RAY_ADDRESS=auto python examples/rollout_services.py      # on a running cluster
 
 1. a retriever actor (MiniLM + faiss over the synthetic corpus) answers a search;
@@ -94,12 +96,18 @@ def main() -> None:
         print(f"  {key} = {counters[key]:g}")
 
     # 4. Every estimator accepts the batch.
-    print(f"\n{'estimator':<10} {'mean |A|':>8} {'max |A|':>8} {'turns A != 0':>13}")
+    # Advantages are centred within a group, so their mean says nothing: the table shows
+    # their size and how many turns carry any credit at all. Where every answer of a group
+    # is wrong, only turn-level signals (the retrieved gold, information gain, a judged
+    # path) tell its turns apart: outcome-only estimators give them 0.
+    right = int((batch.traj_values("outcome_reward") > 0).sum())
+    print(f"\n{right} of {len(batch)} answers right")
+    print(f"{'estimator':<10} {'mean |A|':>9} {'max |A|':>9}  turns with credit")
     for name, estimator in ESTIMATORS.items():
         advantages = np.abs(estimator(batch).turn_values("turn_advantages"))
         nonzero = np.count_nonzero(advantages > 1e-6)
-        print(f"{name:<10} {advantages.mean():>8.3f} {advantages.max():>8.3f} "
-              f"{nonzero:>6} of {len(advantages):<5}")  # fmt: skip
+        print(f"{name:<10} {advantages.mean():>9.3g} {advantages.max():>9.3g}  "
+              f"{nonzero} of {len(advantages)}")  # fmt: skip
     ray.shutdown()
 
 

@@ -130,21 +130,18 @@ def read_before(path: str) -> dict:
 
 
 def evaluate_questions(
-    ray, cfg: EvalRun, model: str, retriever, gen: GeneratorConfig, questions: list[dict], name: str
+    ray, cfg: EvalRun, generators: list, gen: GeneratorConfig, questions: list[dict]
 ) -> dict:
     """Exact match of ``gen``'s rollouts of ``questions`` (greedy, or several samples per
     question, each scoring its share of right ones), overall and per data source, the
-    questions split over ``resources.num_generators`` generators that live for this
-    evaluation only (named ``name0``, ...)."""
-    generators = make_generators(model, retriever, cfg, gen, prefix=name)
+    questions split over the ``generators``."""
     shares = [s for s in np.array_split(np.arange(len(questions)), len(generators)) if len(s)]
+    overrides = {"group_size": gen.group_size, "temperature": gen.temperature, "seed": gen.seed}
     refs = [
-        submit_evaluation(g, [questions[i] for i in share])
+        submit_evaluation(g, [questions[i] for i in share], **overrides)
         for g, share in zip(generators, shares, strict=False)
     ]
     parts = ray.get(refs, timeout=cfg.timeout_s)
-    for generator in generators:
-        ray.kill(generator)
     counts: dict[str, int] = {}
     hits: dict[str, float] = {}
     searches: dict[str, float] = {}
@@ -201,17 +198,19 @@ def main(argv=None) -> dict:
     ray = connect(cfg)
     index = cfg.retriever.index_folder
     retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)
+    # resources.num_generators generators, for this evaluation only: greedy, then sampled
+    generators = make_generators(model, retriever, cfg, greedy, prefix="eval")
     result = {
         "model": model,
         "split": cfg.split,
-        **evaluate_questions(ray, cfg, model, retriever, greedy, questions, "eval"),
+        **evaluate_questions(ray, cfg, generators, greedy, questions),
         "config": asdict(cfg),
     }
     if cfg.samples:
         sampled = replace(greedy, temperature=cfg.generator.temperature, group_size=cfg.samples)
-        result["sampled"] = evaluate_questions(
-            ray, cfg, model, retriever, sampled, questions, "eval-sampled"
-        )
+        result["sampled"] = evaluate_questions(ray, cfg, generators, sampled, questions)
+    for generator in generators:
+        ray.kill(generator)
     print(f"{'data source':<24} {'n':>6} {'EM':>7}")
     for name, em in result["em_by_source"].items():
         print(f"{name:<24} {result['count_by_source'][name]:>6} {em:>7.3f}")

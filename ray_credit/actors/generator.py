@@ -348,14 +348,19 @@ class Generator:
         questions: Sequence[Mapping[str, Any]],
         *,
         group_size: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
         progress: str | None = None,
     ) -> TrajectoryBatch:
         """Roll out ``group_size`` (default ``config.group_size``) trajectories per question.
 
         A question is a mapping with ``question`` and ``golden_answers`` (list of str);
         optional ``id``, ``data_source``, ``supporting_doc_ids``, ``reference_plan``.
-        ``progress``: a progress bar of finished trajectories with this title, where one
-        is seen (:func:`ray_credit.progress.progress_bar`).
+        ``temperature`` (0: greedy) and ``seed`` set this call's sampling instead of the
+        config's and the call count's (``config.seed`` + calls so far), so one generator
+        serves a greedy and a sampled evaluation, each as a fresh generator would roll it
+        out. ``progress``: a progress bar of finished trajectories with this title, where
+        one is seen (:func:`ray_credit.progress.progress_bar`).
         """
         cfg = self.config
         size = cfg.group_size if group_size is None else group_size
@@ -363,7 +368,11 @@ class Generator:
             raise ValueError(f"group_size must be >= 1, got {size}")
         if not questions:
             raise ValueError("generate got no questions; pass at least one")
-        start, seed = time.perf_counter(), cfg.seed + self._calls
+        if temperature is not None and not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        start = time.perf_counter()
+        seed = cfg.seed + self._calls if seed is None else seed
+        temperature = cfg.temperature if temperature is None else temperature
         call = f"{self.name}.{self._calls}"
         self._calls += 1
         counts = dict.fromkeys(COUNTERS, 0.0)
@@ -388,7 +397,7 @@ class Generator:
                 break
             params = SamplingParams(
                 max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
+                temperature=temperature,
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
                 stop=stop,

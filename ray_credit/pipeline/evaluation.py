@@ -37,33 +37,53 @@ __all__ = [
 def evaluate_policy(
     cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str
 ) -> dict:
-    """Exact match of a greedy generator on the learner's current weights (no learner:
+    """Exact match of greedy rollouts on the learner's current weights (no learner:
     ``cfg.model``'s own) and, with ``eval.samples``, of ``eval.samples`` sampled rollouts
-    per question (under ``"sampled"``); each generator lives only for its evaluation, so
-    it holds no resources while training."""
+    per question (under ``"sampled"``). One generator rolls out both; it is made for this
+    evaluation only (so it holds no resources while training), and not at all when both
+    evaluations are kept from an earlier run of the same warm-started policy."""
+    import ray
+
     greedy = replace(
         cfg.generator,
         temperature=0.0,
         group_size=1,
         max_new_tokens=cfg.eval.max_new_tokens or cfg.generator.max_new_tokens,
     )
-    result = _rollout_evaluation(cfg, retriever, learner, questions, when, greedy)
-    if cfg.eval.samples:
-        sampled = replace(greedy, temperature=cfg.generator.temperature,
-                          group_size=cfg.eval.samples)  # fmt: skip
-        result["sampled"] = _rollout_evaluation(cfg, retriever, learner, questions, when, sampled)
+    version = learner.policy_version if learner is not None else 0
+    actor = None
+
+    def rollouts(gen: Any) -> dict:
+        """``gen``'s evaluation by the one generator, made on first need."""
+        nonlocal actor
+        if actor is None:
+            (actor,) = make_generators(cfg.model, retriever, cfg, greedy, prefix=None,
+                                       count=1, num_cpus=cfg.resources.eval_cpus)  # fmt: skip
+            if version > 0:
+                ray.get(actor.update_weights.remote(version, learner.weights()),
+                        timeout=cfg.pipeline.timeout_s)  # fmt: skip
+        overrides = {"group_size": gen.group_size, "temperature": gen.temperature,
+                     "seed": gen.seed}  # fmt: skip
+        return evaluate(actor, questions, cfg.pipeline.timeout_s, **overrides)
+
+    try:
+        result = _evaluation(cfg, questions, when, greedy, version, rollouts)
+        if cfg.eval.samples:
+            sampled = replace(greedy, temperature=cfg.generator.temperature,
+                              group_size=cfg.eval.samples)  # fmt: skip
+            result["sampled"] = _evaluation(cfg, questions, when, sampled, version, rollouts)
+    finally:
+        if actor is not None:
+            ray.kill(actor)
     return result
 
 
-def _rollout_evaluation(
-    cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str, gen: Any
+def _evaluation(
+    cfg: Any, questions: list[dict], when: str, gen: Any, version: int, rollouts: Any
 ) -> dict:
-    """One evaluation of :func:`evaluate_policy`: ``gen``'s rollouts of ``questions``
-    (kept in the warm-started policy's folder, and reused from there, at version 0)."""
-    import ray
-
+    """One evaluation of :func:`evaluate_policy`: ``rollouts(gen)``, or at version 0 of a
+    warm-started policy the same evaluation kept in its folder (and kept there when new)."""
     t0 = time.perf_counter()
-    version = learner.policy_version if learner is not None else 0
     cached = _evaluation_file(cfg, gen, questions) if version == 0 else None
     greedy = gen.group_size == 1
     what = "EM" if greedy else "sampled EM"
@@ -76,15 +96,7 @@ def _rollout_evaluation(
             f"evaluation of the same policy, questions and settings saved in {cached})",
         )
         return {**result, "reused": str(cached)}
-    (actor,) = make_generators(
-        cfg.model, retriever, cfg, gen, prefix=None, count=1, num_cpus=cfg.resources.eval_cpus
-    )
-    if version > 0:
-        ray.get(
-            actor.update_weights.remote(version, learner.weights()), timeout=cfg.pipeline.timeout_s
-        )
-    result = evaluate(actor, questions, cfg.pipeline.timeout_s)
-    ray.kill(actor)
+    result = rollouts(gen)
     if cached is not None:
         cached.parent.mkdir(exist_ok=True)
         partial = cached.with_suffix(".partial")
@@ -117,20 +129,26 @@ def _evaluation_file(cfg: Any, gen: Any, questions: list[dict]) -> Path | None:
     return Path(cfg.model) / "evaluations" / f"{settings_fingerprint(settings)}.json"
 
 
-def submit_evaluation(generator: Any, questions: Sequence[Mapping[str, Any]]) -> Any:
+def submit_evaluation(
+    generator: Any, questions: Sequence[Mapping[str, Any]], **overrides: Any
+) -> Any:
     """An ObjectRef to the exact match (overall and per data source) of ``generator``'s
-    rollouts of ``questions``; the batch is summarized by a task, never fetched here."""
+    rollouts of ``questions`` (``overrides``: ``group_size``, ``temperature``, ``seed`` of
+    this call, as :meth:`~ray_credit.actors.generator.Generator.generate` takes them); the
+    batch is summarized by a task, never fetched here."""
     import ray
 
-    batch = generator.generate.remote(list(questions), progress="held-out rollouts")
+    batch = generator.generate.remote(list(questions), progress="held-out rollouts", **overrides)
     return ray.remote(eval_summary).options(num_cpus=0).remote(batch)
 
 
-def evaluate(generator: Any, questions: Sequence[Mapping[str, Any]], timeout_s: float) -> dict:
+def evaluate(
+    generator: Any, questions: Sequence[Mapping[str, Any]], timeout_s: float, **overrides: Any
+) -> dict:
     """:func:`submit_evaluation`, waited for."""
     import ray
 
-    return ray.get(submit_evaluation(generator, questions), timeout=timeout_s)
+    return ray.get(submit_evaluation(generator, questions, **overrides), timeout=timeout_s)
 
 
 def question_key(position: int, question: str) -> str:

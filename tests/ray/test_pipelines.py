@@ -48,6 +48,7 @@ def run(script, args, ray_cluster, timeout=600, cwd=ROOT):
     return out.stdout
 
 
+@pytest.mark.e2e  # vLLM engines for training and evaluation, end to end: the second test command
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_tspo_with_vllm_generators(ray_cluster, tmp_path):

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every example's flags and their defaults, as --help shows them: a pipeline's setting
 # under the pipeline's name (--pipeline.steps, --generator.group_size), underscores.
 EXAMPLE_FLAGS = {
-    "compose_stages.py": {"--model": "tiny-random", "--pipeline.steps": "3"},
-    "custom_estimator.py": {"--pipeline.steps": "0"},
+    "compose_stages.py": {"--model": "smollm2-135m", "--pipeline.steps": "3"},
+    "custom_estimator.py": {"--model": "smollm2-135m", "--pipeline.steps": "0"},
     "custom_signal.py": {"--pipeline.steps": "0", "--judge.backend": "evidence"},
     "external_retriever.py": {
         "--model": "smollm2-135m",
@@ -101,4 +101,7 @@ def test_custom_estimator_example_runs_without_touching_the_library():
     out = run_example("custom_estimator.py")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "turn advantages" in out.stdout
+    # two right, two wrong: GRPO's credit, discounted towards the early turns
+    assert "t0 reward=1 turn advantages: [0.217, 0.433, 0.866]" in out.stdout
+    assert "t3 reward=0 turn advantages: [-0.108, -0.217, -0.433, -0.866]" in out.stdout
     assert "discounted_grpo/mean_discount" in out.stdout

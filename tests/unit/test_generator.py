@@ -303,6 +303,24 @@ def test_same_seed_same_rollouts(tiny):
     )
 
 
+def test_one_generator_rolls_out_greedy_then_sampled_as_fresh_ones_would(tiny):
+    """A call's temperature, group size and seed override the config's: an evaluation's
+    greedy and sampled rollouts come from one generator, each as a fresh generator made
+    with those settings rolls them out."""
+    greedy = GeneratorConfig(group_size=1, max_turns=2, max_new_tokens=8, temperature=0.0)
+    sampled = GeneratorConfig(**{**greedy.__dict__, "temperature": 0.9, "group_size": 3})
+    one = Generator(tiny, WordRetriever(), greedy, name="g")
+    first = one.generate(QUESTIONS)
+    second = one.generate(QUESTIONS, group_size=3, temperature=0.9, seed=sampled.seed)
+    fresh_greedy = Generator(tiny, WordRetriever(), greedy, name="g").generate(QUESTIONS)
+    fresh_sampled = Generator(tiny, WordRetriever(), sampled, name="g").generate(QUESTIONS)
+    assert first.table.column("input_ids").equals(fresh_greedy.table.column("input_ids"))
+    assert second.table.column("input_ids").equals(fresh_sampled.table.column("input_ids"))
+    assert len(second) == 3 * len(QUESTIONS)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        one.generate(QUESTIONS, temperature=-1.0)
+
+
 def test_update_weights_is_versioned_and_changes_the_policy(tiny):
     model, tokenizer = load_model("tiny-random")  # its own copy: the test changes it
     gen = Generator(

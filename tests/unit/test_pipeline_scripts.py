@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -27,48 +28,54 @@ PIPELINES = {  # method -> its script's run config class
 }
 
 
-def test_help_and_bad_flags():
-    env = None
-    for script in (
-        "grpo.py",
-        "tspo.py",
-        "cw_grpo.py",
-        "search_p1.py",
-        "igpo.py",
-        "a2tgpo.py",
-        "gigpo.py",
-        "eval.py",
-    ):
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "pipelines" / script), "--help"],
-            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-        )  # fmt: skip
-        assert out.returncode == 0 and "--data.questions" in out.stdout, script
-        assert "--generator.backend" in out.stdout and "--generator.vllm.kv_cache_gb" in out.stdout
+def test_help_and_bad_flags(capsys, monkeypatch):
+    """Every pipeline's --help (tspo.py as a script, the others through the same main in
+    this process), and bad values refused with the flag named (exit status 2)."""
+    from ray_credit.pipeline.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")  # the width a script without a terminal gets
+    for script in ("tspo.py", *(f"{m}.py" for m in PIPELINES if m != "tspo"), "eval.py"):
+        path = ROOT / "pipelines" / script
+        if script == "tspo.py":
+            out = subprocess.run(
+                [sys.executable, str(path), "--help"],
+                capture_output=True, text=True, cwd=ROOT, timeout=120,
+            )  # fmt: skip
+            code, stdout = out.returncode, out.stdout
+        else:
+            with pytest.raises(SystemExit) as exit_, _argv0(path):
+                if script == "eval.py":
+                    run_config_class(path, "main")(["--help"])
+                else:
+                    method = script.removesuffix(".py")
+                    main(load(script, PIPELINES[method]), method, "", argv=["--help"])
+            code, stdout = exit_.value.code, capsys.readouterr().out
+        assert code == 0 and "--data.questions" in stdout, script
+        assert "--generator.backend" in stdout and "--generator.vllm.kv_cache_gb" in stdout
         # one group per section, titled and described by its config class; choices shown
-        assert "\ngenerator:\n  How rollouts are generated" in out.stdout, script
-        assert "\ngenerator.vllm:\n  vLLM engine settings of a generator" in out.stdout
-        assert "--generator.backend {transformers,vllm}" in out.stdout
+        assert "\ngenerator:\n  How rollouts are generated" in stdout, script
+        assert "\ngenerator.vllm:\n  vLLM engine settings of a generator" in stdout
+        assert "--generator.backend {transformers,vllm}" in stdout
         # docstrings without their reST markup
-        markup = re.findall(r"``|:(?:func|data|class|meth|mod|attr|math):`", out.stdout)
+        markup = re.findall(r"``|:(?:func|data|class|meth|mod|attr|math):`", stdout)
         assert markup == [], (script, markup)
         if script != "eval.py":
-            assert "--learner.off_policy {none,tis,decoupled}" in out.stdout
-            assert "--learner.betas A,B " in out.stdout
-            assert "\nlearner.loss:\n  Settings of the clipped policy-gradient loss." in out.stdout
-    bad = subprocess.run(
-        [sys.executable, str(ROOT / "pipelines" / "tspo.py"), "--pipeline.steps", "zero"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "--pipeline.steps" in bad.stderr
-    bad = subprocess.run(
-        [sys.executable, str(ROOT / "pipelines" / "tspo.py"), "--learner.off_policy", "ppo"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )  # fmt: skip
-    assert bad.returncode == 2 and bad.stderr.endswith(
+            assert "--learner.off_policy {none,tis,decoupled}" in stdout
+            assert "--learner.betas A,B " in stdout
+            assert "\nlearner.loss:\n  Settings of the clipped policy-gradient loss." in stdout
+    from ray_credit.pipeline.configs import load_config
+
+    tspo = load("tspo.py", "TSPORun")
+    with pytest.raises(SystemExit) as exit_:
+        load_config(tspo, "tspo", ["--pipeline.steps", "zero"])
+    assert exit_.value.code == 2 and "--pipeline.steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        load_config(tspo, "tspo", ["--learner.off_policy", "ppo"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.endswith(
         "--learner.off_policy: learner.off_policy must be one of ['none', 'tis', 'decoupled'], "
         "got 'ppo'\n"
-    ), bad.stderr
+    ), err
 
 
 def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
@@ -116,15 +123,39 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
                  for i in range(3)]  # fmt: skip
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     (tmp_path / "c.jsonl").write_text("not a document\n")
-    for flags, message in cases:
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "pipelines" / "tspo.py"), *flags,
-             "--output_dir", str(tmp_path / "runs"), "--wandb", "disabled"],
-            capture_output=True, text=True, cwd=ROOT, timeout=120,
-        )  # fmt: skip
-        assert out.returncode == 1, (flags, out.stderr[-2000:])
-        assert re.fullmatch(f"tspo.py: error: {message}.*\n", out.stderr), out.stderr[-2000:]
-        assert "Traceback" not in out.stderr and "Started a local Ray" not in out.stderr
+    import ray
+
+    from ray_credit.pipeline.cli import main
+
+    script = ROOT / "pipelines" / "tspo.py"
+    for i, (flags, message) in enumerate(cases):
+        flags = [*flags, "--output_dir", str(tmp_path / "runs"), "--wandb", "disabled"]
+        if i == 0:  # the script itself: exit status 1, one line on stderr, no traceback
+            out = subprocess.run(
+                [sys.executable, str(script), *flags],
+                capture_output=True, text=True, cwd=ROOT, timeout=120,
+            )  # fmt: skip
+            assert out.returncode == 1, (flags, out.stderr[-2000:])
+            error = out.stderr
+            assert "Traceback" not in error and "Started a local Ray" not in error
+        else:  # the same main() in this process: a second each instead of a new Python
+            with pytest.raises(SystemExit) as exit_, _argv0(script):
+                main(load("tspo.py", "TSPORun"), "tspo", "", argv=flags)
+            error = f"{exit_.value.code}\n"
+            assert not ray.is_initialized(), flags  # refused before Ray starts
+        assert re.fullmatch(f"tspo.py: error: {message}.*\n", error), (flags, error[-2000:])
+
+
+@contextlib.contextmanager
+def _argv0(script: Path):
+    """sys.argv[0] as when ``script`` runs (the program name in errors; its folder holds
+    the other pipelines)."""
+    saved = sys.argv[0]
+    sys.argv[0] = str(script)
+    try:
+        yield
+    finally:
+        sys.argv[0] = saved
 
 
 @dataclass(frozen=True)
