@@ -2,7 +2,7 @@
 overall and per data source: one greedy rollout per question against the retriever.
 
     python pipelines/eval.py --model runs/tspo/checkpoint      # the held-out synthetic questions
-    python pipelines/eval.py --model Qwen/Qwen2.5-3B-Instruct --data.questions nq_test.parquet \\
+    python pipelines/eval.py --model Qwen/Qwen2.5-3B-Instruct --data.questions nq_test.parquet --split all \\
         --data.corpus wiki.jsonl --retriever.encoder.name e5-base-v2 --resources.num_generators 4
     ray job submit --working-dir . -- python pipelines/eval.py --model /shared/ckpt
 
@@ -44,7 +44,7 @@ from ray_credit.pipeline.evaluation import (
     submit_evaluation,
 )
 from ray_credit.pipeline.preflight import check_model
-from ray_credit.pipeline.questions import load_data
+from ray_credit.pipeline.questions import load_data, load_questions
 from ray_credit.pipeline.services import connect, make_generators, make_retriever
 from ray_credit.signals import SIGNALS  # noqa: E402
 
@@ -62,7 +62,8 @@ class EvalRun:
     model: str = "smollm2-135m"
     """A checkpoint folder (runs/NAME/checkpoint), an HF id or folder, or an embedded name."""
     split: Literal["heldout", "all"] = "heldout"
-    """'heldout' (the questions a training run with the same data settings holds out) or 'all'."""
+    """'heldout' (the questions a training run with the same data settings holds out) or
+    'all' (every question of data.questions, in file order: a test set's)."""
     output: str | None = None
     """Write the results here as JSON (None: print only)."""
     before: str | None = None
@@ -190,11 +191,13 @@ def main(argv=None) -> dict:
         raise SystemExit(f"eval.py: error: --output {cfg.output}: its folder does not exist")
     model = resolve_model(cfg.model)
     try:
-        corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.seed)
+        if cfg.split == "all":  # every question of the file: no split to hold out
+            corpus, questions = load_questions(cfg.data)
+        else:
+            corpus, _, questions = load_data(cfg.data, seed=cfg.seed)
         check_model("--model", model)
     except InputError as err:
         raise SystemExit(f"eval.py: error: {err}") from None
-    questions = eval_q if cfg.split == "heldout" else train_q + eval_q
     ray = connect(cfg)
     index = cfg.retriever.index_folder
     retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ray_credit.batch import COLUMNS, BatchValidationError, TrajectoryBatch
 from ray_credit.estimators import ESTIMATORS, Estimator, get_estimator, register_estimator
+from ray_credit.pipeline import _LAZY as _PIPELINE
 from ray_credit.signals import SIGNALS, JudgedSignal, Signal, get_signal, register_signal
 
 # name -> module that defines it (imported on first access, PEP 562)
@@ -37,25 +38,9 @@ _LAZY = {
     "WorldConfig": "ray_credit.data",
     "load_corpus": "ray_credit.data",
     "load_qa": "ray_credit.data",
-    # the pipeline layer: the loop, a run's settings, one training run
-    **dict.fromkeys(
-        ("Pipeline", "PipelineConfig", "actor_stage", "estimator_stage"),
-        "ray_credit.pipeline.runner",
-    ),
-    **dict.fromkeys(
-        (
-            "EMBEDDED_CONFIG",
-            "DataConfig",
-            "EvalConfig",
-            "JudgeConfig",
-            "ResourcesConfig",
-            "RetrieverConfig",
-            "RunConfig",
-            "load_config",
-        ),
-        "ray_credit.pipeline.configs",
-    ),  # fmt: skip
-    "train": "ray_credit.pipeline.recipe",
+    # the pipeline layer: the loop, a run's settings, one training run (its own lazy names,
+    # but for the scripts' main)
+    **{name: module for name, module in _PIPELINE.items() if name != "main"},
     "WarmStartConfig": "ray_credit.warm_start",
     "parse_config": "ray_credit.config",
 }

@@ -14,12 +14,33 @@ from ray_credit.log import log
 from ray_credit.pipeline.configs import DataConfig
 from ray_credit.pipeline.plan import Plan
 
-__all__ = ["load_data", "with_reference_plans"]
+__all__ = ["load_data", "load_questions", "with_reference_plans"]
 
 
 def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dict]]:
     """(corpus, training questions, evaluation questions); ``seed`` (the pipeline's)
     decides which questions are held out."""
+    from ray_credit.config import InputError
+
+    corpus, questions = load_questions(data)
+    if data.eval_file is not None:
+        from ray_credit.data.loaders import load_qa
+
+        return corpus, questions, load_qa(data.eval_file)
+    if not 0 < data.eval_questions < len(questions):
+        raise InputError(
+            f"data.eval_questions={data.eval_questions} must hold out at least one of the "
+            f"{len(questions)} questions and leave at least one to train on"
+        )
+    order = np.random.default_rng(seed + 7919).permutation(len(questions))
+    held = set(order[: data.eval_questions].tolist())
+    train_q = [q for i, q in enumerate(questions) if i not in held]
+    eval_q = [questions[i] for i in sorted(held)]
+    return corpus, train_q, eval_q
+
+
+def load_questions(data: DataConfig) -> tuple[Any, list[dict]]:
+    """(corpus, every question of ``data.questions``), nothing held out."""
     from ray_credit.config import InputError
 
     if data.questions == "synthetic":
@@ -40,20 +61,7 @@ def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dic
                 "FlashRAG jsonl corpus the driver can read"
             )
         corpus, questions = data.corpus, load_qa(data.questions)
-    if data.eval_file is not None:
-        from ray_credit.data.loaders import load_qa
-
-        return corpus, questions, load_qa(data.eval_file)
-    if not 0 < data.eval_questions < len(questions):
-        raise InputError(
-            f"data.eval_questions={data.eval_questions} must hold out at least one of the "
-            f"{len(questions)} questions and leave at least one to train on"
-        )
-    order = np.random.default_rng(seed + 7919).permutation(len(questions))
-    held = set(order[: data.eval_questions].tolist())
-    train_q = [q for i, q in enumerate(questions) if i not in held]
-    eval_q = [questions[i] for i in sorted(held)]
-    return corpus, train_q, eval_q
+    return corpus, questions
 
 
 def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: Path) -> list[dict]:

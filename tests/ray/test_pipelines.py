@@ -261,3 +261,39 @@ def test_a2tgpo_pipeline_trains_at_turn_level(ray_cluster, tmp_path):
     assert summary["config"]["info_gain"]["mode"] == "log_prob_diff"
     last = summary["final_step_metrics"]
     assert last["scorer/forward_rows"] > 0 and "learner/clipfrac" in last
+
+
+@pytest.mark.slow
+def test_train_runs_the_users_stages_around_the_methods_estimator(ray_cluster, tmp_path):
+    """train(cfg, "tspo", stages=..., stages_after=...): the user's stage before TSPO's
+    estimator sees the signals, the one after it sees the advantages, their metrics join
+    the step's, and the run lists them among its departures from TSPO's recipe."""
+    import numpy as np
+
+    from ray_credit import load_config, train
+    from ray_credit.pipeline.cli import run_config_class
+
+    def before(batch):
+        assert "turn_contains_gold" in batch and "turn_advantages" not in batch
+        return batch.with_metrics({"user/before_turns": float(batch.num_turns)})
+
+    def after(batch):
+        advantages = batch.turn_values("turn_advantages")
+        return batch.with_turn_columns(
+            {"turn_advantages": 2.0 * advantages},
+            metrics={"user/after_turns": float(len(advantages))},
+        )
+
+    run = run_config_class(ROOT / "pipelines" / "tspo.py", "TSPORun")
+    cfg = load_config(run, "tspo", [
+        *SMALL, "--pipeline.steps", "1", "--eval.enabled", "false",
+        "--output_dir", str(tmp_path), "--wandb", "disabled",
+    ])  # fmt: skip
+    summary = train(cfg, "tspo", stages=[before], stages_after=[after])
+    last = summary["final_step_metrics"]
+    assert last["user/before_turns"] == last["user/after_turns"] == last["gen/turns"] > 0
+    assert summary["departures"] == [
+        "stage 'before' of your own, before the estimator",
+        "stage 'after' of your own, after the estimator",
+    ]
+    assert np.isfinite(last["learner/loss"])

@@ -119,3 +119,17 @@ def test_examples_and_pipeline_scripts_use_public_names_only():
                 f"{path.name}: {n}" for n in names if any(p.startswith("_") for p in n.split("."))
             ]
     assert private == []
+
+
+def test_the_public_api_is_importable_from_the_package():
+    names = (
+        "Pipeline", "PipelineConfig", "LearnerGroup", "LearnerConfig", "GeneratorConfig",
+        "RunConfig", "DataConfig", "EvalConfig", "JudgeConfig", "ResourcesConfig",
+        "RetrieverConfig", "load_config", "train", "parse_config", "make_world",
+        "estimator_stage", "actor_stage", "EMBEDDED_CONFIG",
+    )  # fmt: skip
+    missing = [name for name in names if getattr(ray_credit, name, None) is None]
+    assert missing == []
+    # the embedded settings ship inside the package, not beside a checkout's scripts
+    assert ray_credit.EMBEDDED_CONFIG.is_file()
+    assert PACKAGE in ray_credit.EMBEDDED_CONFIG.parents

@@ -338,25 +338,50 @@ def test_eval_before_reads_per_question_outcomes_or_says_what_it_needs(tmp_path)
         read_before(str(tmp_path / "missing.json"))
 
 
-def test_eval_refuses_bad_input_before_ray(tmp_path):
+def test_eval_refuses_bad_input_before_ray(tmp_path, capsys):
     """pipelines/eval.py: a missing output folder, a model that is not there, a --before
-    file without outcomes: one line, before Ray starts (an evaluation takes minutes)."""
+    file without outcomes: one line, before Ray starts (an evaluation takes minutes). A
+    question file of 3 questions is evaluated whole with --split all (refused only for its
+    model here), and refused with the held-out split, which takes 120 of them."""
+    import ray
+
     (tmp_path / "empty.json").write_text('{"correct": {}, "source": {}, "em": 0}')
+    questions = [{"question": f"who is {i}?", "golden_answers": [f"p{i}"]} for i in range(3)]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    (tmp_path / "c.jsonl").write_text('{"id": "d0", "contents": "P0\\np0 is 0."}\n')
+    data = [
+        "--data.questions",
+        str(tmp_path / "q.jsonl"),
+        "--data.corpus",
+        str(tmp_path / "c.jsonl"),
+    ]
     cases = [
         (["--output", str(tmp_path / "no" / "r.json")], "--output .*r.json: its folder does not exist"),
         (["--model", str(tmp_path / "none")], "--model='.*none': no such folder"),
         (["--before", str(tmp_path / "empty.json")], "--before .*empty.json: holds no per-question"),
         # a setting out of range is argparse's error (exit status 2), naming the flag
         (["--samples", "-1"], "--samples: samples must be >= 0 \\(0: greedy only\\), got -1"),
+        ([*data, "--split", "all", "--model", str(tmp_path / "none")], "--model='.*none': no such"),
+        ([*data, "--model", str(tmp_path / "none")], "data.eval_questions=120 must hold out"),
     ]  # fmt: skip
-    for flags, message in cases:
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "pipelines" / "eval.py"), *flags],
-            capture_output=True, text=True, cwd=ROOT, timeout=120,
-        )  # fmt: skip
-        assert out.returncode == (2 if flags[0] == "--samples" else 1), (flags, out.stderr[-2000:])
-        assert re.search(message, out.stderr), out.stderr[-2000:]
-        assert "Traceback" not in out.stderr and "Started a local Ray" not in out.stderr
+    script = ROOT / "pipelines" / "eval.py"
+    for i, (flags, message) in enumerate(cases):
+        status = 2 if flags[0] == "--samples" else 1
+        if i == 0:  # the script itself; the others through its main, in this process
+            out = subprocess.run(
+                [sys.executable, str(script), *flags],
+                capture_output=True, text=True, cwd=ROOT, timeout=120,
+            )  # fmt: skip
+            code, error = out.returncode, out.stderr
+            assert "Traceback" not in error and "Started a local Ray" not in error
+        else:
+            with pytest.raises(SystemExit) as exit_, _argv0(script):
+                run_config_class(script, "main")(flags)
+            code = exit_.value.code if isinstance(exit_.value.code, int) else 1
+            error = capsys.readouterr().err + ("" if code == 2 else str(exit_.value.code))
+            assert not ray.is_initialized(), flags
+        assert code == status, (flags, error[-2000:])
+        assert re.search(message, error), (flags, error[-2000:])
 
 
 @pytest.mark.parametrize(
@@ -385,3 +410,36 @@ def test_a_setting_the_pipeline_lacks_is_named_with_what_was_meant(
         load_config(load("tspo.py", "TSPORun"), "tspo", argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_user_stages_go_around_the_estimator_and_are_departures():
+    from ray_credit.pipeline.plan import make_plan
+
+    questions = [{"question": "q?", "golden_answers": ["a"]}]
+
+    def shaped(batch):
+        return batch
+
+    def reweighted(batch):
+        return batch
+
+    plan = make_plan(TSPORun(), "tspo", questions, stages=[shaped], stages_after=[reweighted])
+    chunk, step = plan.stages(timeout_s=1.0)
+    assert [s.__name__ for s in chunk] == ["shaped", "estimator_tspo", "reweighted"]
+    assert step == []
+    assert plan.departures == (
+        "stage 'shaped' of your own, before the estimator",
+        "stage 'reweighted' of your own, after the estimator",
+    )
+    # a stage that is not group-local runs once per step, and so does all after it
+    reweighted.group_local = False
+    chunk, step = plan.stages(timeout_s=1.0)
+    assert [s.__name__ for s in chunk] == ["shaped", "estimator_tspo"]
+    assert [s.__name__ for s in step] == ["reweighted"]
+    shaped.group_local = False
+    chunk, step = plan.stages(timeout_s=1.0)
+    assert chunk == [] and [s.__name__ for s in step] == [
+        "shaped", "estimator_tspo", "reweighted"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="stages takes functions batch -> batch, got 3"):
+        make_plan(TSPORun(), "tspo", questions, stages=[3])
