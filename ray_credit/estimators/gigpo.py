@@ -241,7 +241,7 @@ def _outcome_returns(batch: TrajectoryBatch, outcome: np.ndarray, gamma: float) 
 
 def _episode_term(
     batch: TrajectoryBatch, config: GiGPOConfig, outcome: np.ndarray, penalty: np.ndarray | None
-) -> np.ndarray:
+) -> tuple[np.ndarray, int]:
     """``A^E`` per turn: ``s_k`` against its prompt group's statistics (singleton: 0, 1),
     and the number of rows whose value differs from a group mean with std 0 (divided by
     ``eps`` alone in ``mean_std_norm``).
