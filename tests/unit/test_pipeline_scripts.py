@@ -78,7 +78,11 @@ def test_help_and_bad_flags(capsys, monkeypatch):
     ), err
 
 
-def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
+def _no_ray(*args, **kwargs):
+    raise AssertionError("the run went on to start Ray: the input was not refused before")
+
+
+def test_bad_input_before_ray_is_one_line_naming_it(tmp_path, monkeypatch):
     """A resume folder that is not a checkpoint, an impossible split: refused before Ray
     starts, in one line that says what to do, as argparse's errors are."""
     (tmp_path / "half").mkdir()
@@ -123,10 +127,10 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
                  for i in range(3)]  # fmt: skip
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     (tmp_path / "c.jsonl").write_text("not a document\n")
-    import ray
-
+    from ray_credit.pipeline import recipe
     from ray_credit.pipeline.cli import main
 
+    monkeypatch.setattr(recipe, "connect", _no_ray)  # refused before Ray starts
     script = ROOT / "pipelines" / "tspo.py"
     for i, (flags, message) in enumerate(cases):
         flags = [*flags, "--output_dir", str(tmp_path / "runs"), "--wandb", "disabled"]
@@ -142,7 +146,6 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path):
             with pytest.raises(SystemExit) as exit_, _argv0(script):
                 main(load("tspo.py", "TSPORun"), "tspo", "", argv=flags)
             error = f"{exit_.value.code}\n"
-            assert not ray.is_initialized(), flags  # refused before Ray starts
         assert re.fullmatch(f"tspo.py: error: {message}.*\n", error), (flags, error[-2000:])
 
 
@@ -338,13 +341,11 @@ def test_eval_before_reads_per_question_outcomes_or_says_what_it_needs(tmp_path)
         read_before(str(tmp_path / "missing.json"))
 
 
-def test_eval_refuses_bad_input_before_ray(tmp_path, capsys):
+def test_eval_refuses_bad_input_before_ray(tmp_path, capsys, monkeypatch):
     """pipelines/eval.py: a missing output folder, a model that is not there, a --before
     file without outcomes: one line, before Ray starts (an evaluation takes minutes). A
     question file of 3 questions is evaluated whole with --split all (refused only for its
     model here), and refused with the held-out split, which takes 120 of them."""
-    import ray
-
     (tmp_path / "empty.json").write_text('{"correct": {}, "source": {}, "em": 0}')
     questions = [{"question": f"who is {i}?", "golden_answers": [f"p{i}"]} for i in range(3)]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
@@ -365,6 +366,8 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys):
         ([*data, "--model", str(tmp_path / "none")], "data.eval_questions=120 must hold out"),
     ]  # fmt: skip
     script = ROOT / "pipelines" / "eval.py"
+    eval_main = run_config_class(script, "main")
+    monkeypatch.setitem(eval_main.__globals__, "connect", _no_ray)  # refused before Ray
     for i, (flags, message) in enumerate(cases):
         status = 2 if flags[0] == "--samples" else 1
         if i == 0:  # the script itself; the others through its main, in this process
@@ -376,10 +379,9 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys):
             assert "Traceback" not in error and "Started a local Ray" not in error
         else:
             with pytest.raises(SystemExit) as exit_, _argv0(script):
-                run_config_class(script, "main")(flags)
+                eval_main(flags)
             code = exit_.value.code if isinstance(exit_.value.code, int) else 1
             error = capsys.readouterr().err + ("" if code == 2 else str(exit_.value.code))
-            assert not ray.is_initialized(), flags
         assert code == status, (flags, error[-2000:])
         assert re.search(message, error), (flags, error[-2000:])
 
