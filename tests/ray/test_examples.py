@@ -1,4 +1,5 @@
-"""The Ray examples run as users run them, against the shared cluster (RAY_ADDRESS)."""
+"""The Ray examples run as users run them, against the shared cluster (RAY_ADDRESS): whole
+runs, so they are in the second test command (`pytest -m e2e`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def run_example(ray_cluster, name: str, *args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.e2e  # a whole run of an example: the second test command
 def test_rollout_services_example(ray_cluster):
     stdout = run_example(ray_cluster, "rollout_services.py", "--model", "tiny-random")
     assert "8 trajectories" in stdout
@@ -37,6 +39,7 @@ def test_rollout_services_example(ray_cluster):
     assert int(igpo.split()[-3]) > 0, igpo
 
 
+@pytest.mark.e2e  # a whole run of an example: the second test command
 def test_compose_stages_example(ray_cluster):
     stdout = run_example(
         ray_cluster, "compose_stages.py", "--pipeline.steps", "2", "--model", "tiny-random"
@@ -63,6 +66,7 @@ def test_external_retriever_example(ray_cluster):
     assert served > 2  # the generators' searches, beyond the two connection checks
 
 
+@pytest.mark.e2e  # a whole run of an example: the second test command
 def test_custom_estimator_example_trains_with_it(ray_cluster):
     stdout = run_example(
         ray_cluster, "custom_estimator.py", "--pipeline.steps", "2", "--model", "tiny-random"
@@ -70,6 +74,7 @@ def test_custom_estimator_example_trains_with_it(ray_cluster):
     assert "trained 2 steps with discounted_grpo: mean discount" in stdout
 
 
+@pytest.mark.e2e  # a whole run of an example: the second test command
 def test_custom_signal_example_trains_with_it(ray_cluster):
     """A user's judged signal and estimator, registered at run time: the pipeline built
     from the estimator's declaration fills the signal on every chunk."""
