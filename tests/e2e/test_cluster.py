@@ -302,10 +302,12 @@ def test_a_node_hosting_a_generator_dies_mid_run(tmp_path):
         assert summary["steps"] == steps and summary["groups_trained"] == 2 * steps
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["pipeline/step"] for r in rows] == list(range(1, steps + 1))
-        # the loss shows: a failed generate call, its chunk redone; nothing lost
+        # the loss shows and nothing is lost. The death is seen either by the generate call
+        # in flight on the node (its chunk redone) or, when the generator sat idle at the
+        # staleness bound, by the next weight publication (no chunk of its own to redo)
         last = rows[-1]
         assert last["pipeline/generator_failures"] >= 1, last
-        assert last["pipeline/chunks_lost"] == 0 and last["pipeline/chunks_redone"] >= 1, last
+        assert last["pipeline/chunks_lost"] == 0, last
         step_s = sorted(r["time/step_s"] for r in rows)
         print(
             f"\nRECOVERY a generator's node, killed after step {at_step} of {steps}: the run "
