@@ -6,8 +6,9 @@ Search-R1 retrieval-server JSON (what Search-R1's ``retrieval_server.py`` serves
     python -m ray_credit.serve --help                     # every setting
 
 It connects to the Ray cluster of RAY_ADDRESS, else to one `ray start` runs on this
-machine, else starts one; deploys the retriever (loading the index from --index_folder or
-the shared index cache, or building it there once); prints the URL and a curl line; and
+machine, else starts one; finds the index in --index_folder or the shared index cache, or
+builds it there once (or imports --index_file), before any replica starts; deploys the
+replicas, which open it memory-mapped; prints the URL and a curl line; and
 serves until Ctrl-C or SIGTERM, then removes the deployment. A pipeline searches it with
 --retriever.url URL. The corpus and the index folder are checked before Ray starts.
 """
@@ -22,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ray_credit.actors.index_build import BuildConfig
 from ray_credit.actors.retrieval_server import RequestLimits
 from ray_credit.actors.retriever import EncoderConfig, IndexConfig, check_index_folder
 from ray_credit.config import InputError, check_fields, parse_config
@@ -36,15 +38,23 @@ class ServeConfig:
     """One /retrieve deployment: the corpus, how to index it, where to listen."""
 
     corpus: str = ""
-    """The FlashRAG / Search-R1 corpus to search (.jsonl or .jsonl.gz, one {"id",
-    "contents"} per line, contents = title line + text). Required."""
+    """The FlashRAG / Search-R1 corpus to search (.jsonl, .jsonl.gz or .parquet, one {"id",
+    "contents"} per document, contents = title line + text). Not needed when index_folder
+    holds a whole index: it holds its corpus."""
     index_folder: str | None = None
-    """Where the index is loaded from, or built and saved (None: the shared index cache,
-    $RAY_CREDIT_CACHE/indexes, keyed by the corpus and the encoder and index settings)."""
+    """Where the index is loaded from, or built once (None: the shared index cache,
+    $RAY_CREDIT_CACHE/indexes, keyed by the corpus and the encoder and index settings).
+    Replicas on several nodes need it on storage they all see."""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     """The query and passage encoder."""
     index: IndexConfig = field(default_factory=IndexConfig)
     """The faiss index."""
+    index_file: str | None = None
+    """A faiss index built elsewhere on the corpus's line order (Search-R1's e5_Flat.index),
+    imported into the index folder once: checked against the corpus and the encoder."""
+    build: BuildConfig = field(default_factory=BuildConfig)
+    """How the index is built, once, here, when the folder holds none (replicas only open
+    it): --build.workers N embeds on a Ray Data pool of N encoder actors."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """What one request may ask for (over a limit: a 4xx naming it)."""
     host: str = "127.0.0.1"
@@ -84,12 +94,24 @@ class ServeConfig:
 
 
 def check_inputs(cfg: ServeConfig) -> None:
-    """Refuse a missing or unreadable corpus and an unusable index folder (InputError),
-    reading only the corpus's first document: before Ray starts, in one line."""
+    """Refuse a missing or unreadable corpus, an unusable index folder and index settings
+    that cannot work for the corpus (InputError), reading only the corpus's first
+    document: before Ray starts, in one line."""
+    from ray_credit.actors.corpus import count_docs
+    from ray_credit.actors.dense_index import check_index_config, read_manifest
+    from ray_credit.actors.encoder import encoder_dim
     from ray_credit.data.loaders import iter_corpus
 
+    whole = cfg.index_folder is not None and read_manifest(cfg.index_folder) is not None
     if not cfg.corpus:
-        raise InputError("--corpus is required: the FlashRAG .jsonl corpus to search")
+        if whole:
+            return  # the folder holds its corpus
+        raise InputError(
+            "--corpus is required (the FlashRAG .jsonl corpus to search), unless "
+            "--index_folder holds a whole index"
+        )
+    if cfg.index_file is not None and not os.path.isfile(cfg.index_file):
+        raise InputError(f"--index_file {cfg.index_file}: no such file")
     try:
         first = next(iter_corpus(cfg.corpus, batch_size=1, check_duplicates=False), None)
     except InputError as err:
@@ -98,6 +120,11 @@ def check_inputs(cfg: ServeConfig) -> None:
         raise InputError(f"--corpus {cfg.corpus}: the file holds no document")
     if cfg.index_folder is not None:
         check_index_folder(cfg.index_folder)
+    if not whole and cfg.index_file is None:
+        try:
+            check_index_config(cfg.index, count_docs(cfg.corpus), encoder_dim(cfg.encoder))
+        except InputError as err:
+            raise InputError(f"--index.*: {err}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -118,10 +145,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
     try:
         url = serve_retriever(
-            os.path.abspath(cfg.corpus),
+            os.path.abspath(cfg.corpus) if cfg.corpus else None,
             encoder=cfg.encoder,
             index=cfg.index,
             index_folder=cfg.index_folder and os.path.abspath(cfg.index_folder),
+            index_file=cfg.index_file and os.path.abspath(cfg.index_file),
+            build=cfg.build,
             name=cfg.name,
             route_prefix=cfg.route_prefix,
             host=cfg.host,
@@ -135,8 +164,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             limits=cfg.limits,
         )
         info = serve.get_app_handle(cfg.name).info.remote().result()
-        how = "loaded from" if info["index_loaded"] else "built in"
-        print(f"index of {info['num_docs']} docs {how} {info['index_folder']}", flush=True)
+        where = f"on GPUs {info['index_gpus']}" if info["index_on_gpu"] else (
+            "memory-mapped" if info["index_mmapped"] else "in memory")  # fmt: skip
+        print(f"index of {info['num_docs']} docs in {info['index_folder']} ({where})", flush=True)
         example = json.dumps({"queries": ["who wrote Hamlet?"], "topk": 3, "return_scores": True})
         print(f"serving {url}", flush=True)
         print(f"  curl -s {url} -H 'Content-Type: application/json' -d '{example}'", flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +31,7 @@ __all__ = [
     "Encoder",
     "EncoderConfig",
     "EncoderPreset",
+    "encoder_dim",
     "resolve_encoder_path",
 ]
 
@@ -168,6 +170,24 @@ def resolve_encoder_path(name: str) -> str:
             f"{folder} has no config.json; reinstall with `pip install --force-reinstall {package}`"
         )
     return str(folder)
+
+
+def encoder_dim(encoder: EncoderConfig) -> int | None:
+    """The embedding dimension of an encoder, read from its files where they are here (a
+    preset, the embedded MiniLM, a local folder); None when only loading it would tell."""
+
+    folder = Path(resolve_encoder_path(encoder.name))
+    if not folder.is_dir():
+        known = {"small": 384, "base": 768, "large": 1024}
+        preset = encoder.preset
+        size = preset and next((k for k in known if f"-{k}" in preset.model), None)
+        return known[size] if size else None
+    modules = folder / "modules.json"
+    if modules.is_file() and any("Dense" in m.get("type", "") for m in
+                                 json.loads(modules.read_text())):  # fmt: skip
+        return None  # a Dense layer after pooling sets its own dimension
+    config = folder / "config.json"
+    return json.loads(config.read_text()).get("hidden_size") if config.is_file() else None
 
 
 def _torch_device(device: str) -> str:

@@ -24,7 +24,8 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ray_credit.actors.retriever import (
     CorpusSource,
@@ -35,7 +36,10 @@ from ray_credit.actors.retriever import (
     Retriever,
     _check_search_args,
 )
-from ray_credit.config import check_fields
+from ray_credit.config import InputError, check_fields
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ray_credit.actors.index_build import BuildConfig
 
 __all__ = [
     "LimitExceeded",
@@ -251,6 +255,8 @@ def serve_retriever(
     encoder: EncoderConfig | str = "minilm",
     index: IndexConfig | str = "flat",
     index_folder: str | os.PathLike | None = None,
+    index_file: str | os.PathLike | None = None,
+    build: BuildConfig | None = None,
     name: str = "retriever",
     route_prefix: str = "/retrieve",
     host: str = "127.0.0.1",
@@ -270,10 +276,12 @@ def serve_retriever(
     the returned URL is the one it listens on. ``limits``: what one request may ask for
     (:class:`RequestLimits`). ``max_ongoing_requests`` per replica must
     be large for requests to coalesce (Serve's default, 5, would cap a batch at 5).
-    Pass the corpus as a ``.jsonl`` path for anything large: the deployment's arguments
-    are stored by the Serve controller. ``index_folder`` None: each replica loads the
-    index from its node's shared index cache, or builds it there once (replicas building
-    it together are safe: the save is atomic). Remove it with ``serve.delete(name)``;
+    The index is built (or imported from ``index_file``) once, here, before any replica
+    starts (``build``: its workers and shards, see
+    :class:`~ray_credit.actors.index_build.BuildConfig`), in ``index_folder`` (None: the
+    shared index cache of this machine); the replicas only open it, memory-mapped, and
+    read the corpus from it. Replicas on other nodes need the folder on storage they see.
+    ``corpus`` None: the index folder's own. Remove the app with ``serve.delete(name)``;
     ``python -m ray_credit.serve`` does all of this from the command line.
     """
     import ray
@@ -282,10 +290,7 @@ def serve_retriever(
 
     if not ray.is_initialized():
         raise RuntimeError("serve_retriever needs a connected Ray cluster; call ray.init() first")
-    if isinstance(corpus, (str, os.PathLike)):
-        corpus = os.path.abspath(corpus)  # replicas' working directory may differ
-    if index_folder is not None:
-        index_folder = os.path.abspath(index_folder)
+    folder = _built_once(corpus, encoder, index, index_folder, index_file, build)
     serve.start(http_options={"host": host, "port": port})
     deployment = serve.deployment(RetrievalDeployment, name=name).options(
         num_replicas=num_replicas,
@@ -293,10 +298,10 @@ def serve_retriever(
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
     )
     app = deployment.bind(
-        corpus,
+        None,  # the corpus is the index folder's
         encoder=encoder,
         index=index,
-        index_folder=index_folder,
+        index_folder=str(folder),
         max_batch_queries=max_batch_queries,
         batch_wait_ms=batch_wait_ms,
         limits=limits,
@@ -306,6 +311,38 @@ def serve_retriever(
     http = _get_global_client().http_config
     listen = "127.0.0.1" if http.host in ("0.0.0.0", "::") else http.host
     return f"http://{listen}:{http.port}{route_prefix}"
+
+
+def _built_once(
+    corpus: CorpusSource | None,
+    encoder: EncoderConfig | str,
+    index: IndexConfig | str,
+    index_folder: str | os.PathLike | None,
+    index_file: str | os.PathLike | None,
+    build: BuildConfig | None,
+) -> Path:
+    """The whole index folder the replicas open: built or imported here when it is not."""
+    from ray_credit.actors.corpus import Corpus
+    from ray_credit.actors.dense_index import read_manifest
+    from ray_credit.actors.index_build import BuildConfig, ensure_index
+    from ray_credit.actors.retriever import _same_corpus, index_cache_folder
+
+    if corpus is None and index_folder is None:
+        raise InputError("give a corpus, or an index folder that holds one")
+    if isinstance(corpus, (str, os.PathLike)):
+        corpus = os.path.abspath(corpus)  # replicas' working directory may differ
+    if index_folder is None:
+        folder = index_cache_folder(corpus, encoder, index, index_file)
+    else:
+        folder = Path(index_folder).absolute()
+    if read_manifest(folder) is None:
+        if corpus is None:
+            raise InputError(f"{folder} holds no whole index; give the corpus to build it from")
+        ensure_index(corpus, folder, encoder=encoder, index=index, index_file=index_file,
+                     **(build or BuildConfig()).kwargs())  # fmt: skip
+    elif corpus is not None and index_folder is not None:
+        _same_corpus(corpus, Corpus.open(folder), folder)
+    return folder
 
 
 _RETRY_STATUS = {429, 500, 502, 503, 504}

@@ -93,6 +93,21 @@ def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
             ) from None
 
 
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(row number from 0, row)`` for each row of a parquet corpus, read batch by batch."""
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow's errors vary by version; one line either way
+        raise DataFormatError(f"{path}: not a readable parquet file ({err})") from None
+    number = 0
+    for batch in reader.iter_batches(batch_size=10_000):
+        for row in batch.to_pylist():
+            yield number, row
+            number += 1
+
+
 def _json_line(path: Path, number: int, raw: bytes) -> dict | None:
     """One line's object, None for a blank line."""
     try:
@@ -169,7 +184,8 @@ def _corpus_doc(obj: Mapping[str, Any], where: str) -> dict:
 def iter_corpus(
     path: str | os.PathLike, batch_size: int = 10_000, *, check_duplicates: bool = True
 ) -> Iterator[list[dict]]:
-    """Stream a FlashRAG ``.jsonl`` (or ``.jsonl.gz``) corpus in lists of ``batch_size`` docs.
+    """Stream a FlashRAG ``.jsonl`` (or ``.jsonl.gz``, or ``.parquet`` with the same
+    columns) corpus in lists of ``batch_size`` docs.
 
     Each document comes out as ``{"id": str, "contents": str}``: int ids become str, a
     line with ``title`` and ``text`` becomes ``contents = title + "\\n" + text``, other keys
@@ -190,8 +206,9 @@ def iter_corpus(
     path = _existing(path, "corpus")
     first_line: dict[str, int] = {}
     batch: list[dict] = []
-    for number, obj in _json_lines(path):
-        doc = _corpus_doc(obj, f"{path}:{number}")
+    parquet = path.suffix == ".parquet"
+    for number, obj in _parquet_rows(path) if parquet else _json_lines(path):
+        doc = _corpus_doc(obj, f"{path}: row {number}" if parquet else f"{path}:{number}")
         if check_duplicates:
             seen = first_line.setdefault(doc["id"], number)
             if seen != number:

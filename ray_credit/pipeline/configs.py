@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ray_credit.actors.generator import RETRIEVAL_TIMEOUT_S, GeneratorConfig
+from ray_credit.actors.index_build import BuildConfig
 from ray_credit.actors.judge import Backend as JudgeBackend
 from ray_credit.actors.learner import LearnerConfig, Strategy
 from ray_credit.actors.retriever import EncoderConfig, IndexConfig
@@ -115,6 +116,12 @@ class RetrieverConfig:
     """Where the index is saved, and loaded from when it is there (None: a shared cache
     folder keyed by the corpus, encoder and index settings, $RAY_CREDIT_CACHE/indexes/...,
     so every run, method, seed and resume over them builds it once)."""
+    index_file: str | None = None
+    """A faiss index built elsewhere on the corpus's line order (Search-R1's e5_Flat.index):
+    checked against the corpus and the encoder once, then served (never copied)."""
+    build: BuildConfig = field(default_factory=BuildConfig)
+    """How the index is built when index_folder (or the cache) holds none; wiki-scale
+    corpora are best built beforehand: python -m ray_credit.index build."""
     url: str | None = None
     """An existing Search-R1 style /retrieve server (http://host:port/retrieve) to search
     instead of building an index; the corpus then only feeds the judges."""
@@ -205,6 +212,9 @@ class ResourcesConfig:
     """Train on GPUs (one per learner replica)."""
     retriever_cpus: float = 0.25
     """CPUs of the retriever actor."""
+    retriever_gpus: float = 0.0
+    """GPUs of the retriever actor: its encoder runs on them, and with faiss-gpu its index,
+    sharded over them (see retriever.index.gpu_devices)."""
     judge_cpus: float = 0.25
     """CPUs of each judge actor (LLM backends)."""
     eval_cpus: float = 2.0
@@ -229,7 +239,7 @@ class ResourcesConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"resources.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("generator_cpus", "generator_gpus", "learner_cpus", "retriever_cpus",
-                     "judge_cpus", "eval_cpus"):  # fmt: skip
+                     "retriever_gpus", "judge_cpus", "eval_cpus"):  # fmt: skip
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(
                     f"resources.{name} must be a finite number >= 0, got {getattr(self, name)}"

@@ -75,6 +75,33 @@ def check_retrieval(cfg: Any) -> None:
             raise InputError(f"retriever.index_folder: {err}") from None
 
 
+def check_index_settings(cfg: Any, corpus: Any) -> None:
+    """Index settings that cannot work for the corpus (nlist above its passage count, a
+    PQ m that does not divide the encoder's dimension) and an index file that is not there,
+    refused before Ray starts. A whole index folder given is served with its own settings."""
+    from ray_credit.actors.corpus import count_docs
+    from ray_credit.actors.dense_index import check_index_config, read_manifest
+    from ray_credit.actors.encoder import encoder_dim
+    from ray_credit.config import InputError
+
+    retriever = cfg.retriever
+    if retriever.url:
+        return
+    if retriever.index_file is not None:
+        if not Path(retriever.index_file).is_file():
+            raise InputError(
+                f"retriever.index_file {retriever.index_file!r} does not exist (or is not a "
+                "file); give the faiss index built on data.corpus (Search-R1's e5_Flat.index)"
+            )
+        return
+    if retriever.index_folder is not None and read_manifest(retriever.index_folder):
+        return
+    try:
+        check_index_config(retriever.index, count_docs(corpus), encoder_dim(retriever.encoder))
+    except InputError as err:
+        raise InputError(f"retriever.index: {err}") from None
+
+
 def check_model(setting: str, model: str) -> None:
     """Refuse a model name no actor could load, before Ray starts: an embedded name, a
     folder with ``config.json`` (a Hugging Face model folder) or an id the hub or its
@@ -160,9 +187,11 @@ def checked_demonstrations(cfg: Any, corpus: Any, questions: list[dict]) -> dict
             f"warm_start.questions={cfg.warm_start.questions} is more than the "
             f"{len(questions)} training questions; give at most {len(questions)} (0: all)"
         )
-    docs = Corpus.coerce(corpus)
-    titles = {i: c.partition("\n")[0] for i, c in zip(docs.ids, docs.contents, strict=True)}
+    docs = Corpus.coerce(corpus)  # a file: converted once, then mapped
+    needed = {str(i) for q in questions for i in q["supporting_doc_ids"] or ()}
+    rows = docs.rows_of(needed)  # one scan over the ids; only these titles are read
+    titles = {doc["id"]: doc["title"] for doc in docs.hits(list(rows.values()),
+                                                            [0.0] * len(rows))}  # fmt: skip
     for q in questions:
         expert_turns(q, titles, cfg.generator)
-    needed = {str(i) for q in questions for i in q["supporting_doc_ids"]}
-    return {i: titles[i] for i in needed}  # a large corpus's titles stay here
+    return titles

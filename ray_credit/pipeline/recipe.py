@@ -32,7 +32,12 @@ from ray_credit.log import log, setup_logging
 from ray_credit.pipeline.evaluation import eval_metrics, evaluate_policy, report_change
 from ray_credit.pipeline.outputs import RunOutputs
 from ray_credit.pipeline.plan import make_plan
-from ray_credit.pipeline.preflight import check_resume_folder, checked_demonstrations, preflight
+from ray_credit.pipeline.preflight import (
+    check_index_settings,
+    check_resume_folder,
+    checked_demonstrations,
+    preflight,
+)
 from ray_credit.pipeline.questions import load_data, with_reference_plans
 from ray_credit.pipeline.runner import Pipeline
 from ray_credit.pipeline.services import (
@@ -43,6 +48,7 @@ from ray_credit.pipeline.services import (
     make_retriever,
     make_scorer,
     resource_demand,
+    wait_started,
 )
 from ray_credit.warm_start import rl_questions
 
@@ -75,6 +81,7 @@ def train(
     outputs = RunOutputs(cfg)  # refuses a storage_path it cannot write, before Ray starts
     # Data and the method's plan: everything that can be refused is refused here.
     corpus, train_q, eval_q = load_data(cfg.data, seed=cfg.pipeline.seed)
+    check_index_settings(cfg, corpus)
     titles = checked_demonstrations(cfg, corpus, train_q) if cfg.warm_start.enabled else {}
     rl_q = rl_questions(train_q, cfg.warm_start)  # all, or those not demonstrated
     plan = make_plan(cfg, estimator, rl_q, stages=stages, stages_after=stages_after)
@@ -105,6 +112,8 @@ def train(
     scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
     rl_q = with_reference_plans(plan, judges, rl_q, outputs.out / "reference_plans.jsonl")
     generators = make_generators(cfg.model, retriever, cfg, cfg.generator, prefix="gen")
+    wait_started({"info-gain scorer": scorer} if scorer is not None else {})
+    wait_started({f"generator {i}": g for i, g in enumerate(generators)})
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
         pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(outputs.storage / "checkpoint"))

@@ -17,6 +17,7 @@ from ray_credit.progress import wants_progress
 from ray_credit.storage import StoragePath
 
 __all__ = [
+    "ServiceStartError",
     "connect",
     "make_generators",
     "make_judge_pool",
@@ -24,6 +25,7 @@ __all__ = [
     "make_retriever",
     "make_scorer",
     "resource_demand",
+    "wait_started",
 ]
 
 
@@ -85,7 +87,12 @@ def resource_demand(cfg: Any, plan: Plan) -> dict[str, float]:
         cfg.judge.num_actors if "judge" in plan.services and cfg.judge.backend != "evidence" else 0
     )
     kinds = {  # name: (how many, CPUs, GPUs, role)
-        "retriever": (0 if cfg.retriever.url else 1, res.retriever_cpus, 0.0, "service"),
+        "retriever": (
+            0 if cfg.retriever.url else 1,
+            res.retriever_cpus,
+            res.retriever_gpus,
+            "service",
+        ),
         "judges": (judges, res.judge_cpus, 0.0, "service"),
         "scorer": (
             int("scorer" in plan.services),
@@ -154,11 +161,42 @@ def make_retriever(
         encoder=cfg.encoder,
         index=cfg.index,
         index_folder=index_folder,
+        index_file=cfg.index_file,
+        build=cfg.build.kwargs(),
         num_cpus=res.retriever_cpus,
+        num_gpus=res.retriever_gpus,
         resources=res.custom("service"),
         name=name,
     )
+    wait_started({"retriever": handle})  # it loads, or builds once, its index first
     return NamedActor(name, handle)
+
+
+class ServiceStartError(RuntimeError):
+    """A service actor's constructor failed: the run cannot go on without it."""
+
+
+def wait_started(actors: Mapping[str, Any]) -> None:
+    """Return once every actor's constructor has run; the first that failed ends the run
+    with :class:`ServiceStartError`: one line naming the actor and the cause."""
+    import ray
+
+    refs = {name: handle.__ray_ready__.remote() for name, handle in actors.items()}
+    for name, ref in refs.items():
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            raise ServiceStartError(f"the {name} failed to start: {_cause(err)}") from None
+
+
+def _cause(err: Exception) -> str:
+    """The exception a creation task raised (``InputError: ...``), from Ray's message."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else "(no message)"
+    name, sep, message = last.partition(": ")
+    if sep and name.replace(".", "").replace("_", "").isalnum():
+        return f"{name.rsplit('.', 1)[-1]}: {message}"  # ray_credit.config.InputError -> InputError
+    return last
 
 
 def make_generators(

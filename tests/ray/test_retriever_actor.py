@@ -4,6 +4,7 @@ and RemoteRetriever against it. Uses the session's shared local cluster."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -166,3 +167,35 @@ def test_serve_under_load_with_clients_walking_away(retrieve_url):
     assert after["bad_requests"] == before["bad_requests"]
     hits = httpx.post(retrieve_url, json={"queries": ["Tokyo"], "topk": 1}, timeout=30).json()
     assert hits["result"][0][0]["id"] == "tokyo"
+
+
+# ---------------------------------------------------------------------------- building
+def test_a_ray_data_build_on_two_workers_returns_the_one_pass_top_k(ray_cluster, tmp_path):
+    """Shards embedded by a pool of two encoder actors index to the same top-k as every
+    passage embedded at once in this process."""
+    from ray_credit.actors.corpus import Corpus
+    from ray_credit.actors.dense_index import DenseIndex
+    from ray_credit.actors.encoder import Encoder
+    from ray_credit.actors.index_build import ensure_index
+    from ray_credit.actors.retriever import Retriever
+
+    folder = ensure_index(CORPUS_DOCS, tmp_path / "idx", workers=2, worker_cpus=0.5,
+                          shard_docs=5)  # fmt: skip
+    sharded = Retriever.create(None, index_folder=folder)
+    corpus, encoder = Corpus(CORPUS_DOCS), Encoder("minilm")
+    one_pass = Retriever(corpus, encoder, DenseIndex.build(corpus, encoder))
+    top = [[h["id"] for h in hits] for hits in sharded.search(list(QUERIES), topk=5)]
+    assert top == [[h["id"] for h in hits] for hits in one_pass.search(list(QUERIES), topk=5)]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["built"]["workers"] == 2 and manifest["num_docs"] == 20
+
+
+def test_a_service_actor_that_fails_to_start_is_named_with_its_cause(ray_cluster):
+    from ray_credit.actors.retriever import IndexConfig
+    from ray_credit.pipeline.services import ServiceStartError, wait_started
+
+    bad = make_retriever_actor(CORPUS_DOCS, num_cpus=0.25, max_restarts=0,
+                               index=IndexConfig(kind="ivfflat", nlist=64, nprobe=4))  # fmt: skip
+    with pytest.raises(ServiceStartError, match=r"^the retriever failed to start: InputError: "
+                       r"index kind 'ivfflat' with nlist=64 .* the corpus has 20"):  # fmt: skip
+        wait_started({"retriever": bad})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ray_credit import progress
@@ -63,23 +62,19 @@ def test_a_generators_bar_counts_every_rollout_once(monkeypatch):
     )
 
 
-def test_a_large_corpus_is_embedded_slice_by_slice_to_the_same_vectors(monkeypatch):
-    from ray_credit.actors import retriever as retriever_module
-
-    class Encoder:
-        dim = 3
-
-        def encode_passages(self, passages):
-            return np.array([[len(p), len(p) % 2, 1.0] for p in passages], dtype=np.float32)
+def test_an_index_build_counts_every_passage_embedded_and_added(monkeypatch, tmp_path):
+    pytest.importorskip("faiss")
+    from ray_credit.actors import index_build
 
     bars = []
-    monkeypatch.setattr(retriever_module, "_ENCODE_SLICE", 4)
     monkeypatch.setattr(
-        retriever_module,
+        index_build,
         "progress_bar",
         lambda total, desc, unit: bars.append(Recorder(total, desc, unit)) or bars[-1],
     )
-    passages = [f"doc {'x' * i}" for i in range(10)]
-    out = retriever_module._encode_passages(Encoder(), passages)
-    np.testing.assert_array_equal(out, Encoder().encode_passages(passages))
-    assert bars[0].count == bars[0].total == 10 and bars[0].closed
+    docs = [{"id": str(i), "contents": f"title {i}\ndoc {'x' * i}"} for i in range(10)]
+    index_build.ensure_index(docs, tmp_path / "idx", shard_docs=4)
+    assert [(b.desc, b.count, b.total, b.closed) for b in bars] == [
+        ("embedding the corpus", 10, 10, True),
+        ("adding to the flat index", 10, 10, True),
+    ]

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -409,7 +410,8 @@ def test_ivfpq_trains_and_retrieves(corpus, encoder):
 
 def test_index_config_errors(corpus, encoder):
     with pytest.raises(
-        ValueError, match=r"IndexConfig.kind must be one of \['flat', 'hnsw', 'ivfpq'\], got 'lsh'"
+        ValueError,
+        match=r"IndexConfig.kind must be one of \['flat', 'hnsw', 'ivfflat', 'ivfpq'\], got 'lsh'",
     ):
         IndexConfig(kind="lsh")
     with pytest.raises(ValueError, match="no GPU HNSW"):
@@ -422,7 +424,7 @@ def test_index_config_errors(corpus, encoder):
             IndexConfig(**bad)
     with pytest.raises(TypeError, match="IndexConfig.use_gpu takes true or false"):
         IndexConfig(use_gpu="yes")
-    with pytest.raises(ValueError, match="needs at least 256 docs; the corpus has 20"):
+    with pytest.raises(ValueError, match="needs at least 256 passages; the corpus has 20"):
         DenseIndex.build(corpus, encoder, IndexConfig(kind="ivfpq", nlist=4, nprobe=4))
     with pytest.raises(ValueError, match="must divide the embedding dimension 384"):
         DenseIndex.build(corpus, encoder, IndexConfig(kind="ivfpq", pq_m=10))
@@ -433,59 +435,73 @@ def test_index_config_errors(corpus, encoder):
             DenseIndex.build(corpus, encoder, IndexConfig(use_gpu=True))
 
 
-# ---------------------------------------------------------------------------- save / load
-def test_save_load_round_trip(tmp_path, corpus, encoder, flat):
+# ---------------------------------------------------------------------------- index folders
+def test_an_index_folder_holds_its_corpus_and_round_trips(tmp_path, corpus, flat):
     config = IndexConfig(kind="hnsw", hnsw_m=8, ef_search=16)
-    DenseIndex.build(corpus, encoder, config).save(tmp_path / "idx")
+    built = Retriever.create(CORPUS_DOCS, index=config, index_folder=tmp_path / "idx")
     manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
-    assert manifest["corpus_fingerprint"] == corpus.fingerprint
+    assert manifest["corpus_fingerprint"] == corpus.fingerprint and manifest["format_version"] == 3
     assert (manifest["num_docs"], manifest["dim"]) == (20, 384)
     assert manifest["encoder"]["name"] == "minilm" and manifest["index"]["kind"] == "hnsw"
-    loaded = DenseIndex.load(tmp_path / "idx", corpus, encoder)
-    assert loaded.config.ef_search == 16 and loaded.index.hnsw.efSearch == 16
-    got = Retriever(corpus, encoder, loaded).search(list(QUERIES), topk=3)
+    assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == [
+        "corpus.arrow", "corpus.json", "index.faiss", "manifest.json"
+    ]  # fmt: skip
+    # the corpus is read from the folder: none need be given
+    loaded = Retriever.create(None, index=config, index_folder=tmp_path / "idx")
+    assert loaded.index_loaded and not built.index_loaded
+    assert loaded.index.config.ef_search == 16 and loaded.index.index.hnsw.efSearch == 16
+    assert loaded.index.mmapped and loaded.corpus.path == str(tmp_path / "idx" / "corpus.arrow")
+    got = loaded.search(list(QUERIES), topk=3)
     want = flat.search(list(QUERIES), topk=3)
     assert [[h["id"] for h in hits] for hits in got] == [[h["id"] for h in hits] for hits in want]
 
 
-def test_load_refuses_another_corpus_or_encoder(tmp_path, corpus, encoder):
-    folder = DenseIndex.build(corpus, encoder).save(tmp_path / "idx")
+def test_load_refuses_another_corpus_or_encoder(tmp_path, corpus):
+    folder = tmp_path / "idx"
+    Retriever.create(CORPUS_DOCS, index_folder=folder)
     edited = [dict(d) for d in CORPUS_DOCS]
     edited[0]["contents"] = "Paris\nParis is a city."
-    with pytest.raises(ValueError, match="another corpus.*rebuild it with DenseIndex.build"):
-        DenseIndex.load(folder, Corpus(edited), encoder)
-    e5_like = Encoder(EncoderConfig(passage_prefix="passage: ", device="cpu"))
-    with pytest.raises(ValueError, match="another encoder.*passage_prefix.*rebuild"):
-        DenseIndex.load(folder, corpus, e5_like)
-    with pytest.raises(FileNotFoundError, match="holds no saved index"):
-        DenseIndex.load(tmp_path / "empty", corpus, encoder)
+    with pytest.raises(InputError, match="built from another corpus"):
+        Retriever.create(edited, index_folder=folder)
+    path = tmp_path / "edited.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in edited))
+    with pytest.raises(InputError, match="built from another corpus"):
+        Retriever.create(path, index_folder=folder)
+    e5_like = EncoderConfig(passage_prefix="passage: ", device="cpu")
+    with pytest.raises(InputError, match="another encoder.*passage_prefix"):
+        Retriever.create(CORPUS_DOCS, encoder=e5_like, index_folder=folder)
+    with pytest.raises(FileNotFoundError, match="holds no whole index"):
+        DenseIndex.load(tmp_path / "empty")
 
 
-def test_a_damaged_index_file_names_the_folder_and_the_fix(tmp_path, corpus, encoder):
-    folder = DenseIndex.build(corpus, encoder).save(tmp_path / "idx")
+def test_a_damaged_index_file_names_the_folder_and_the_fix(tmp_path):
+    folder = tmp_path / "idx"
+    Retriever.create(CORPUS_DOCS, index_folder=folder)
     data = (folder / "index.faiss").read_bytes()
     (folder / "index.faiss").write_bytes(data[: len(data) // 2])  # cut off while written
-    with pytest.raises(ValueError, match=r"idx/index\.faiss is not a readable faiss index.*delete"):
-        DenseIndex.load(folder, corpus, encoder)
+    with pytest.raises(InputError, match=r"idx/index\.faiss is not a readable faiss index.*delete"):
+        DenseIndex.load(folder)
     (folder / "index.faiss").write_bytes(b"not an index at all")
-    with pytest.raises(ValueError, match="not a readable faiss index"):
-        DenseIndex.load(folder, corpus, encoder)
+    with pytest.raises(InputError, match="not a readable faiss index"):
+        DenseIndex.load(folder)
 
 
 def test_dimension_mismatch(tmp_path, corpus, encoder):
     import faiss
 
-    folder = DenseIndex.build(corpus, encoder).save(tmp_path / "idx")
+    folder = tmp_path / "idx"
+    Retriever.create(CORPUS_DOCS, index_folder=folder)
     small = faiss.IndexFlatIP(8)
     small.add(np.eye(8, dtype=np.float32)[np.arange(20) % 8])
     faiss.write_index(small, str(folder / "index.faiss"))
-    with pytest.raises(ValueError, match="dimension 8, but the encoder gives dimension 384"):
-        DenseIndex.load(folder, corpus, encoder)
+    with pytest.raises(InputError, match="20 vectors of dimension 8, but its manifest says 20 of "
+                       "dimension 384"):  # fmt: skip
+        DenseIndex.load(folder)
     index = DenseIndex.build(corpus, encoder)
     with pytest.raises(ValueError, match=r"shape \(1, 8\).*dimension 384"):
         index.search(np.zeros((1, 8), np.float32), 1)
-    manifest = dict(index.manifest, dim=8)
-    with pytest.raises(ValueError, match="index dimension 8 != encoder dimension 384"):
+    manifest = dict(index.manifest, encoder=dict(index.manifest["encoder"], dim=8))
+    with pytest.raises(InputError, match=r"another encoder: \{'dim': 8\} there"):
         Retriever(corpus, encoder, DenseIndex(small, manifest, IndexConfig()))
 
 
@@ -498,21 +514,23 @@ def test_create_with_index_folder_builds_then_loads(tmp_path, corpus):
     assert (folder / "index.faiss").stat().st_mtime_ns == mtime  # loaded, not rebuilt
     query = ["What is the capital of France?"]
     assert first.search(query, 1)[0][0]["id"] == second.search(query, 1)[0][0]["id"] == "paris"
-    with pytest.raises(ValueError, match="was asked for"):
+    with pytest.raises(InputError, match="was asked for"):
         Retriever.create(corpus, index="hnsw", index_folder=folder)
 
 
 @pytest.fixture
 def count_builds(monkeypatch):
-    """The number of DenseIndex.build calls so far (a list of their corpus sizes)."""
-    calls: list[int] = []
-    build = DenseIndex.build.__func__
+    """The folders built so far, in order (Retriever.create calls ensure_index to build)."""
+    from ray_credit.actors import retriever as retriever_module
 
-    def counted(cls, corpus, *args, **kwargs):
-        calls.append(len(corpus))
-        return build(cls, corpus, *args, **kwargs)
+    calls: list[str] = []
+    ensure = retriever_module.ensure_index
 
-    monkeypatch.setattr(DenseIndex, "build", classmethod(counted))
+    def counted(corpus, folder, **kwargs):
+        calls.append(str(folder))
+        return ensure(corpus, folder, **kwargs)
+
+    monkeypatch.setattr(retriever_module, "ensure_index", counted)
     return calls
 
 
@@ -522,13 +540,13 @@ def test_default_index_folder_is_a_shared_cache(tiny_bert, count_builds, capsys,
     name = str(tiny_bert["plain"])
     first = Retriever.create(CORPUS_DOCS, encoder=EncoderConfig(name=name, device="cpu"))
     second = Retriever.create(CORPUS_DOCS, encoder=EncoderConfig(name=name, device="cpu"))
-    assert count_builds == [20] and (first.index_loaded, second.index_loaded) == (False, True)
+    assert len(count_builds) == 1 and (first.index_loaded, second.index_loaded) == (False, True)
     folder = Path(first.index_folder)
     assert second.index_folder == str(folder) and folder.parent.name == "indexes"
     assert Path(os.environ["RAY_CREDIT_CACHE"]) in folder.parents
     out = capsys.readouterr().out
-    assert "built the index of 20 docs in" in out and f"saved it in {folder}" in out
-    assert f"loaded the index of 20 docs from {folder}" in out
+    assert f"built the index of 20 docs in {folder}" in out
+    assert f"loaded the index of 20 docs in {folder}" in out
     query = ["What is the capital of France?"]
     assert first.search(query, 3) == second.search(query, 3)
     others = {
@@ -545,67 +563,76 @@ def test_default_index_folder_is_a_shared_cache(tiny_bert, count_builds, capsys,
     assert explicit.index_folder == str(tmp_path / "i") and len(count_builds) == 5
 
 
-def test_the_cache_key_follows_the_corpus_and_the_model_files(tmp_path, tiny_bert):
+def test_the_cache_key_follows_the_corpus_file_and_the_model_files(tmp_path, tiny_bert):
     folder = shutil.copytree(tiny_bert["plain"], tmp_path / "model")
-    encoder = Encoder(EncoderConfig(name=str(folder), device="cpu"))
-    corpus, config = Corpus(CORPUS_DOCS), IndexConfig()
-    key = index_cache_folder(corpus, encoder, config)
-    assert index_cache_folder(corpus, encoder, config) == key  # stable
-    assert index_cache_folder(Corpus(CORPUS_DOCS[1:]), encoder, config) != key
-    assert index_cache_folder(corpus, encoder, IndexConfig(kind="hnsw")) != key
+    encoder = EncoderConfig(name=str(folder), device="cpu")
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS_DOCS))
+    config = IndexConfig()
+    key = index_cache_folder(path, encoder, config)
+    assert index_cache_folder(path, encoder, config) == key  # stable, nothing read
+    assert index_cache_folder(Corpus(CORPUS_DOCS), encoder, config) != key
+    assert index_cache_folder(path, encoder, IndexConfig(kind="hnsw")) != key
+    assert index_cache_folder(path, replace(encoder, device="cuda"), config) == key  # serving
     os.utime(folder / "model.safetensors", ns=(1, 1))  # the model retrained in place
-    assert index_cache_folder(corpus, encoder, config) != key
+    assert index_cache_folder(path, encoder, config) != key
+    key = index_cache_folder(path, encoder, config)
+    path.write_text(path.read_text() + json.dumps({"id": "new", "contents": "t\nx"}) + "\n")
+    assert index_cache_folder(path, encoder, config) != key  # the corpus edited
 
 
-def test_saves_are_atomic_and_refuse_foreign_folders(tmp_path, tiny_bert, count_builds):
-    encoder = Encoder(EncoderConfig(name=str(tiny_bert["plain"]), device="cpu"))
-    corpus = Corpus(CORPUS_DOCS)
-    index = DenseIndex.build(corpus, encoder)
+def test_builds_of_one_folder_at_once_and_foreign_folders(tmp_path, tiny_bert, count_builds):
+    from ray_credit.actors.index_build import ensure_index
+
+    encoder = EncoderConfig(name=str(tiny_bert["plain"]), device="cpu")
     folder = tmp_path / "idx"
-    with ThreadPoolExecutor(4) as pool:  # processes building one index, saving it together
-        assert list(pool.map(lambda _: index.save(folder), range(4))) == [folder] * 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]  # no temporary left over
-    assert sorted(p.name for p in folder.iterdir()) == ["index.faiss", "manifest.json"]
-    assert DenseIndex.load(folder, corpus, encoder).index.ntotal == 20
-    other = DenseIndex.build(Corpus(CORPUS_DOCS[:5]), encoder)
-    with pytest.raises(InputError, match=r"idx already holds another index \(20 docs"):
-        other.save(folder)
+    with ThreadPoolExecutor(3) as pool:  # processes building one index together
+        built = list(pool.map(lambda _: ensure_index(CORPUS_DOCS, folder, encoder=encoder),
+                              range(3)))  # fmt: skip
+    assert built == [folder] * 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "corpus.arrow",
+        "corpus.json",
+        "index.faiss",
+        "manifest.json",
+    ]  # fmt: skip: no temporary, no shard left over
+    assert DenseIndex.load(folder).ntotal == 20
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     builds = len(count_builds)
-    with pytest.raises(InputError, match="notes holds files but no saved index"):
-        Retriever.create(CORPUS_DOCS, encoder=encoder.config, index_folder=tmp_path / "notes")
+    with pytest.raises(
+        InputError, match=r"notes holds files that are not an index \(\['todo.txt'\]\)"
+    ):
+        Retriever.create(CORPUS_DOCS, encoder=encoder, index_folder=tmp_path / "notes")
     assert len(count_builds) == builds  # refused before any work
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     with pytest.raises(InputError, match="is a file"):
-        index.save(tmp_path / "notes" / "todo.txt")
+        Retriever.create(CORPUS_DOCS, encoder=encoder, index_folder=tmp_path / "notes" / "todo.txt")
     (tmp_path / "empty").mkdir()
-    assert index.save(tmp_path / "empty") == tmp_path / "empty"  # an empty folder is taken
+    assert ensure_index(CORPUS_DOCS, tmp_path / "empty", encoder=encoder) == tmp_path / "empty"
 
 
 def test_manifest_records_pooling_and_prompts_and_refuses_others(tmp_path, tiny_bert):
     name = str(tiny_bert["plain"])
-    mean = Encoder(EncoderConfig(name=name, device="cpu"))
-    corpus = Corpus(CORPUS_DOCS)
-    folder = DenseIndex.build(corpus, mean).save(tmp_path / "idx")
+    folder = tmp_path / "idx"
+    Retriever.create(CORPUS_DOCS, encoder=EncoderConfig(name=name, device="cpu"),
+                     index_folder=folder)  # fmt: skip
     recorded = json.loads((folder / "manifest.json").read_text())
-    assert recorded["format_version"] == 2
     assert {k: recorded["encoder"][k] for k in ("pooling", "query_prefix", "passage_prefix")} == {
         "pooling": "mean", "query_prefix": "", "passage_prefix": ""
     }  # fmt: skip
-    cls = Encoder(EncoderConfig(name=name, pooling="cls", device="cpu"))
-    with pytest.raises(ValueError, match=r"another encoder: \{'pooling': 'mean'\} there, "
-                       r"\{'pooling': 'cls'\} now; rebuild"):  # fmt: skip
-        DenseIndex.load(folder, corpus, cls)
-    prompted = Encoder(EncoderConfig(name=name, query_prefix="query: ", device="cpu"))
-    with pytest.raises(ValueError, match="another encoder.*query_prefix"):
-        DenseIndex.load(folder, corpus, prompted)
-    # an index of format 1 (mean-pooled, query prefix not recorded) still loads
-    del recorded["encoder"]["pooling"], recorded["encoder"]["query_prefix"]
-    (folder / "manifest.json").write_text(json.dumps({**recorded, "format_version": 1}))
-    assert DenseIndex.load(folder, corpus, prompted).index.ntotal == 20
-    with pytest.raises(ValueError, match="another encoder.*pooling"):
-        DenseIndex.load(folder, corpus, cls)
+    cls = EncoderConfig(name=name, pooling="cls", device="cpu")
+    with pytest.raises(InputError, match=r"another encoder: \{'pooling': 'mean'\} there, "
+                       r"\{'pooling': 'cls'\} now"):  # fmt: skip
+        Retriever.create(CORPUS_DOCS, encoder=cls, index_folder=folder)
+    prompted = EncoderConfig(name=name, query_prefix="query: ", device="cpu")
+    with pytest.raises(InputError, match="another encoder.*query_prefix"):
+        Retriever.create(CORPUS_DOCS, encoder=prompted, index_folder=folder)
+    # a folder of an older format (no corpus inside) is refused with what to do
+    (folder / "manifest.json").write_text(json.dumps({**recorded, "format_version": 2}))
+    with pytest.raises(InputError, match="format_version 2; this version reads 3.*delete"):
+        DenseIndex.load(folder)
 
 
 def test_missing_faiss_names_both_extras(monkeypatch):

@@ -52,7 +52,7 @@ def test_flags_build_the_config():
         ("ok", ["--corpus", "{tmp}/corpus.jsonl", "--index_folder", "{tmp}/corpus.jsonl"],
          "corpus.jsonl is a file"),
         ("ok", ["--corpus", "{tmp}/corpus.jsonl", "--index_folder", "{tmp}"],
-         "holds files but no saved index"),
+         "holds files that are not an index"),
     ],
 )  # fmt: skip
 def test_bad_inputs_are_one_line_before_ray(no_ray, tmp_path, setup, flags, message):
