@@ -200,7 +200,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"eval.py: error: {err}") from None
     ray = connect(cfg)
     index = cfg.retriever.index_folder
-    retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)
+    retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)  # its replicas
     # resources.num_generators generators, for this evaluation only: greedy, then sampled
     generators = make_generators(model, retriever, cfg, greedy, prefix="eval")
     result = {

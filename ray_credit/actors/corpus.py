@@ -28,6 +28,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
+import numpy as np
+
 from ray_credit.config import InputError
 
 __all__ = [
@@ -324,6 +326,9 @@ class Corpus:
         self.path = path  # the mapped corpus.arrow, None when in memory
         self._ids = table.column("id")
         self._contents = table.column("contents")
+        # where each record batch starts: a row is found in its chunk, never by a take over
+        # the chunked column (Arrow would first concatenate the whole column: a copy)
+        self._starts = np.cumsum([0] + [len(c) for c in self._contents.chunks])
 
     @classmethod
     def open(cls, folder: str | os.PathLike) -> Corpus:
@@ -393,18 +398,25 @@ class Corpus:
         import pyarrow.compute as pc
 
         wanted = _pa().array(sorted(set(map(str, ids))), _pa().string())
-        rows = pc.indices_nonzero(pc.is_in(self._ids, value_set=wanted)).to_pylist()
-        return {self._ids[r].as_py(): r for r in rows}
+        mask = pc.is_in(self._ids, value_set=wanted)
+        rows = np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+        return {hit["id"]: int(r) for r, hit in zip(rows, self.hits(rows, [0.0] * len(rows)),
+                                                      strict=True)}  # fmt: skip
 
     def hits(self, rows: Sequence[int], scores: Sequence[float]) -> list[Hit]:
         """Documents ``rows`` as hits (one gather over the table), in the order given."""
-        if not rows:
+        if not len(rows):
             return []
-        taken = self.table.take(_pa().array(rows, _pa().int64()))
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.min() < 0 or rows.max() >= len(self):
+            raise IndexError(f"rows out of range [0, {len(self)}): {rows.tolist()[:5]}")
+        chunk_of = np.searchsorted(self._starts, rows, side="right") - 1
+        ids_chunks, contents_chunks = self._ids.chunks, self._contents.chunks
         out = []
-        for doc_id, contents, score in zip(taken.column("id").to_pylist(),
-                                           taken.column("contents").to_pylist(), scores,
-                                           strict=True):  # fmt: skip
+        for row, chunk, score in zip(rows.tolist(), chunk_of.tolist(), scores, strict=True):
+            local = row - int(self._starts[chunk])
+            doc_id = ids_chunks[chunk][local].as_py()
+            contents = contents_chunks[chunk][local].as_py()
             title, _, text = contents.partition("\n")
             out.append(
                 {"id": doc_id, "contents": contents, "title": title, "text": text, "score": score}

@@ -493,7 +493,7 @@ def import_check(
     index, the encoder or the corpus's order do not match: InputError, with an example."""
     rows = np.sort(np.random.default_rng(0).choice(len(corpus), min(sample, len(corpus)),
                                                    replace=False))  # fmt: skip
-    texts = corpus.table.column("contents").take(rows).to_pylist()
+    texts = [hit["contents"] for hit in corpus.hits(rows, [0.0] * len(rows))]
     scores, found = index.search(encoder.encode_passages(texts), 10)
     own = []
     for row, row_scores, row_found in zip(rows, scores, found, strict=True):

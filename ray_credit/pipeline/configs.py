@@ -213,8 +213,11 @@ class ResourcesConfig:
     retriever_cpus: float = 0.25
     """CPUs of the retriever actor."""
     retriever_gpus: float = 0.0
-    """GPUs of the retriever actor: its encoder runs on them, and with faiss-gpu its index,
+    """GPUs of each retriever actor: its encoder runs on them, and with faiss-gpu its index,
     sharded over them (see retriever.index.gpu_devices)."""
+    retriever_replicas: int = 1
+    """Retriever actors; generator i searches replica i mod this. Replicas of one node
+    share the memory-mapped corpus and CPU index; the index is built once, before them."""
     judge_cpus: float = 0.25
     """CPUs of each judge actor (LLM backends)."""
     eval_cpus: float = 2.0
@@ -235,7 +238,7 @@ class ResourcesConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # learner_strategy among its choices too: at parse time
-        for name in ("num_generators", "learner_workers"):
+        for name in ("num_generators", "learner_workers", "retriever_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"resources.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("generator_cpus", "generator_gpus", "learner_cpus", "retriever_cpus",

@@ -98,7 +98,8 @@ def train(
         + (f"; RL draws from the {len(rl_q)} the warm-start does not demonstrate"
            if len(rl_q) < len(train_q) else "")
     )  # fmt: skip
-    retriever = make_retriever(corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder)
+    retrievers = make_retriever(corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder)
+    retriever = retrievers[0]  # the warm-start's and the evaluation's
     summary = outputs.open(cfg, run_config, plan.estimator.name, plan, resumed_step)
     # The warm-start: every actor below then loads the warm-started policy as its model.
     if cfg.warm_start.enabled:
@@ -111,7 +112,7 @@ def train(
     judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
     scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
     rl_q = with_reference_plans(plan, judges, rl_q, outputs.out / "reference_plans.jsonl")
-    generators = make_generators(cfg.model, retriever, cfg, cfg.generator, prefix="gen")
+    generators = make_generators(cfg.model, retrievers, cfg, cfg.generator, prefix="gen")
     wait_started({"info-gain scorer": scorer} if scorer is not None else {})
     wait_started({f"generator {i}": g for i, g in enumerate(generators)})
     pipe_cfg = cfg.pipeline

@@ -140,36 +140,46 @@ def _shortage(demand: Mapping[str, float], have: Mapping[str, float]) -> str:
 
 def make_retriever(
     corpus: Any, cfg: RetrieverConfig, res: ResourcesConfig, index_folder: str | None
-):
+) -> list:
     """What generators search: a client of the server at ``cfg.url`` (each generator gets
-    its own copy), else a retriever actor over ``corpus`` (index saved in / loaded from
-    ``index_folder``; None: the shared index cache, see ``RetrieverConfig.index_folder``),
-    as a :class:`~ray_credit.actors.generator.NamedActor`: generators, which Ray may
-    restart, get its name, not its handle."""
+    its own copy), else ``res.retriever_replicas`` retriever actors over ``corpus``, each a
+    :class:`~ray_credit.actors.generator.NamedActor` (generators, which Ray may restart,
+    get its name, not its handle). The index (``index_folder``; None: the shared index
+    cache, see ``RetrieverConfig.index_folder``) is built by the first replica, once,
+    before the others start: they only open it."""
     if cfg.url:
         from ray_credit.actors.retrieval_server import RemoteRetriever
 
-        return RemoteRetriever(cfg.url)  # its URL answered before Ray started (preflight)
+        return [RemoteRetriever(cfg.url)]  # its URL answered before Ray started (preflight)
     import uuid
+
+    import ray
 
     from ray_credit.actors.generator import NamedActor
     from ray_credit.actors.retriever import make_retriever_actor
 
-    name = f"retriever-{uuid.uuid4().hex[:12]}"  # one per run, also in one process (the study)
-    handle = make_retriever_actor(
-        corpus,
-        encoder=cfg.encoder,
-        index=cfg.index,
-        index_folder=index_folder,
-        index_file=cfg.index_file,
-        build=cfg.build.kwargs(),
-        num_cpus=res.retriever_cpus,
-        num_gpus=res.retriever_gpus,
-        resources=res.custom("service"),
-        name=name,
-    )
-    wait_started({"retriever": handle})  # it loads, or builds once, its index first
-    return NamedActor(name, handle)
+    run = uuid.uuid4().hex[:12]  # one set per run, also in one process (the study)
+    replicas = []
+    for i in range(res.retriever_replicas):
+        name = f"retriever-{run}-{i}"
+        handle = make_retriever_actor(
+            corpus,
+            encoder=cfg.encoder,
+            index=cfg.index,
+            index_folder=index_folder,
+            index_file=cfg.index_file,
+            build=cfg.build.kwargs(),
+            num_cpus=res.retriever_cpus,
+            num_gpus=res.retriever_gpus,
+            resources=res.custom("service"),
+            name=name,
+        )
+        if i == 0:  # it loads, or builds once, the index before any other starts
+            wait_started({"retriever": handle})
+            index_folder = ray.get(handle.info.remote())["index_folder"]
+        replicas.append(NamedActor(name, handle))
+    wait_started({f"retriever replica {i}": r.handle for i, r in enumerate(replicas)})
+    return replicas
 
 
 class ServiceStartError(RuntimeError):
@@ -210,15 +220,17 @@ def make_generators(
     num_cpus: float | None = None,
 ) -> list:
     """``count`` (default ``resources.num_generators``) generator actors named ``prefix0``,
-    ... (None: unnamed), each with ``num_cpus`` (default ``resources.generator_cpus``), the
+    ... (None: unnamed), searching ``retriever`` (a list: generator i searches entry i mod
+    its length), each with ``num_cpus`` (default ``resources.generator_cpus``), the
     GPUs and the custom generator resource of ``cfg.resources``."""
     from ray_credit.actors.generator import make_generator_actor
 
     res = cfg.resources
+    replicas = retriever if isinstance(retriever, list) else [retriever]
     return [
         make_generator_actor(
             model,
-            retriever,
+            replicas[i % len(replicas)],
             generator,
             num_cpus=res.generator_cpus if num_cpus is None else num_cpus,
             num_gpus=res.generator_gpus,

@@ -199,3 +199,19 @@ def test_a_service_actor_that_fails_to_start_is_named_with_its_cause(ray_cluster
     with pytest.raises(ServiceStartError, match=r"^the retriever failed to start: InputError: "
                        r"index kind 'ivfflat' with nlist=64 .* the corpus has 20"):  # fmt: skip
         wait_started({"retriever": bad})
+
+
+def test_retriever_replicas_open_the_index_the_first_one_built(ray_cluster, tmp_path):
+    from ray_credit.pipeline.configs import ResourcesConfig, RetrieverConfig
+    from ray_credit.pipeline.services import make_retriever
+
+    replicas = make_retriever(CORPUS_DOCS, RetrieverConfig(),
+                              ResourcesConfig(retriever_replicas=2, retriever_cpus=0.25),
+                              str(tmp_path / "idx"))  # fmt: skip
+    infos = ray_cluster.get([r.handle.info.remote() for r in replicas])
+    assert [i["index_loaded"] for i in infos] == [False, True]  # built once, then opened
+    assert {i["index_folder"] for i in infos} == {str(tmp_path / "idx")}
+    hits = ray_cluster.get([r.handle.search.remote(["capital of France"], 1) for r in replicas])
+    assert hits[0] == hits[1] and hits[0][0][0]["id"] == "paris"
+    for replica in replicas:
+        ray_cluster.kill(replica.handle)

@@ -122,6 +122,16 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path, monkeypatch):
         (["--data.questions", str(tmp_path / "q.jsonl"), "--data.corpus", str(tmp_path / "c.jsonl"),
           "--data.eval_questions", "1", "--warm_start.enabled", "false",
           "--pipeline.stratify_by", "none"], "data.corpus: .*c.jsonl:1"),
+        # index settings that cannot work for the corpus, and an index file not there
+        (["--retriever.index.kind", "ivfpq"], "retriever.index: index kind 'ivfpq' with "
+         "nlist=1024, pq_nbits=8 trains on the corpus and needs at least 1024 passages; the "
+         "corpus has 72"),
+        (["--retriever.index.kind", "ivfpq", "--retriever.index.nlist", "8",
+          "--retriever.index.nprobe", "8", "--retriever.index.pq_nbits", "4",
+          "--retriever.index.pq_m", "10"], "retriever.index: index pq_m=10 must divide the "
+         "embedding dimension 384"),
+        (["--retriever.index_file", str(tmp_path / "e5_Flat.index")], "retriever.index_file "
+         "'.*e5_Flat.index' does not exist"),
     ]  # fmt: skip
     questions = [{"id": str(i), "question": f"who is {i}?", "golden_answers": [f"p{i}"]}
                  for i in range(3)]  # fmt: skip
