@@ -10,7 +10,8 @@ What is measured, in one run:
 1. **Corpus.** A corpus of ``--docs`` wiki-sized passages (seeded; a title line and ~95
    words drawn from a Zipf vocabulary, ~600 characters, like wiki-18's 100-word passages)
    is written as jsonl. Each of these runs in a fresh process, which reports the seconds
-   and the growth of its resident memory (RSS, after its imports):
+   and the growth of its resident memory after its imports, private (``rss_anon``: paid by
+every process) and file-backed (``rss_file``: mapped pages, shared by a node's processes):
    ``lists``, the loader this library had before (every passage into Python lists, ids
    checked unique, the fingerprint computed); ``convert``, the one-time conversion into
    ``corpus.arrow``; ``open``, :meth:`Corpus.open` of the converted file, then 1,000
@@ -51,9 +52,22 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def memory_mb() -> dict[str, float]:
+    """This process's resident memory: private (``anon``: its own, counted per process)
+    and file-backed (``file``: pages of mapped files, shared by every process of the node
+    that maps them, and dropped by the kernel under pressure)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) / 1024
+    return {"anon": out["RssAnon"] + out.get("RssShmem", 0.0), "file": out["RssFile"]}
+
+
+def grown(base: dict[str, float]) -> dict[str, float]:
+    now = memory_mb()
+    return {f"rss_{k}_mb": now[k] - base[k] for k in base}
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -86,45 +100,48 @@ def child(mode: str, path: str, extra: str) -> None:
         from ray_credit.actors.corpus import corpus_fingerprint
         from ray_credit.data.loaders import iter_corpus
 
-        base, start = rss_mb(), time.perf_counter()
+        base, start = memory_mb(), time.perf_counter()
+        # as the previous Corpus.from_jsonl: every document as a dict, then the lists
+        docs = [doc for chunk in iter_corpus(path, check_duplicates=False) for doc in chunk]
         ids, contents = [], []
-        for chunk in iter_corpus(path, check_duplicates=False):
-            for doc in chunk:
-                ids.append(doc["id"])
-                contents.append(doc["contents"])
+        for doc in docs:
+            ids.append(str(doc["id"]))
+            contents.append(doc["contents"])
         assert len(set(ids)) == len(ids)
         corpus_fingerprint(ids, contents)
-        out = {"seconds": time.perf_counter() - start, "rss_mb": rss_mb() - base}
+        del docs
+        out = {"seconds": time.perf_counter() - start, **grown(base)}
     elif mode == "convert":
         from ray_credit.actors.corpus import convert_corpus
 
-        base, start = rss_mb(), time.perf_counter()
+        base, start = memory_mb(), time.perf_counter()
         convert_corpus(path, extra)
-        out = {"seconds": time.perf_counter() - start, "rss_mb": rss_mb() - base}
+        out = {"seconds": time.perf_counter() - start, **grown(base)}
     elif mode == "open":
         from ray_credit.actors.corpus import Corpus
 
-        base, start = rss_mb(), time.perf_counter()
+        base, start = memory_mb(), time.perf_counter()
         corpus = Corpus.open(path)
-        opened, rss_open = time.perf_counter() - start, rss_mb() - base
+        out = {"seconds": time.perf_counter() - start, **grown(base)}
         rng = random.Random(0)
         start = time.perf_counter()
         for _ in range(1000):
             corpus.hits([rng.randrange(len(corpus)) for _ in range(3)], [0.0] * 3)
-        out = {"seconds": opened, "rss_mb": rss_open, "hits_ms": time.perf_counter() - start,
-               "rss_after_hits_mb": rss_mb() - base}  # fmt: skip
+        out["ms_per_3_hits"] = time.perf_counter() - start  # 1000 gathers: seconds = ms each
+        out["after_1000_gathers"] = grown(base)
     elif mode == "retriever":
         import torch  # noqa: F401  (its import is not the retriever's start)
 
         from ray_credit.actors.dense_index import IndexConfig
         from ray_credit.actors.retriever import Retriever
 
-        base, start = rss_mb(), time.perf_counter()
+        base, start = memory_mb(), time.perf_counter()
         retriever = Retriever.create(None, index_folder=path,
                                      index=IndexConfig(mmap=extra == "mmap"))  # fmt: skip
-        seconds = time.perf_counter() - start
+        out = {"seconds": time.perf_counter() - start, **grown(base)}
         retriever.search(["who founded the city"] * 8, topk=3)
-        out = {"seconds": seconds, "rss_mb": rss_mb() - base, "mmapped": retriever.index.mmapped}
+        out["after_a_search"] = grown(base)
+        out["mmapped"] = retriever.index.mmapped
     else:
         raise SystemExit(f"unknown child mode {mode}")
     print("RESULT " + json.dumps(out), flush=True)
@@ -142,17 +159,51 @@ def run_child(mode: str, path: Path, extra: str = "") -> dict:
 
 
 # ---------------------------------------------------------------------------- vectors
-def synthetic_vectors(n: int, dim: int, clusters: int, seed: int, noise: float) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    centers = rng.standard_normal((clusters, dim)).astype(np.float32)
-    centers /= np.linalg.norm(centers, axis=1, keepdims=True)
-    out = np.empty((n, dim), dtype=np.float32)
+class VectorModel:
+    """Seeded synthetic passage vectors and queries near them.
+
+    ``latent_dim`` 0: ``clusters`` centers in ``dim`` dimensions, each passage a center
+    plus isotropic noise of norm about ``noise`` (the hardest case for any approximate
+    index: below the cluster level nothing is structured, so a passage's 2nd and 3rd
+    neighbours are near-ties among its cluster). ``latent_dim`` k > 0: the same mixture
+    drawn in k dimensions, then mapped into ``dim`` by one fixed random linear map, plus
+    isotropic noise of norm 0.05 (text embeddings are thought to lie near a manifold of
+    far fewer dimensions than they have). A query is a passage's latent point plus noise
+    of half the passage's, mapped the same way."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.dim, self.k, self.noise = args.dim, args.latent_dim, args.noise
+        rng = np.random.default_rng(args.seed)
+        space = self.k or self.dim
+        self.centers = rng.standard_normal((args.clusters, space)).astype(np.float32)
+        self.centers /= np.linalg.norm(self.centers, axis=1, keepdims=True)
+        self.map = (rng.standard_normal((space, self.dim)).astype(np.float32) / np.sqrt(space)
+                    if self.k else None)  # fmt: skip
+        self.tag = f"lowrank{self.k}" if self.k else f"iso{self.noise:g}"
+
+    def latent(self, rng, rows: int, noise: float) -> np.ndarray:
+        space = self.k or self.dim
+        points = self.centers[rng.integers(0, len(self.centers), rows)]
+        return points + noise * rng.standard_normal((rows, space), dtype=np.float32) / np.sqrt(
+            space)  # fmt: skip
+
+    def embed(self, rng, latent: np.ndarray) -> np.ndarray:
+        out = latent if self.map is None else latent @ self.map + 0.05 * rng.standard_normal(
+            (len(latent), self.dim), dtype=np.float32) / np.sqrt(self.dim)  # fmt: skip
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+def synthetic_vectors(model: VectorModel, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The passages' vectors and their latent points (queries are drawn near these)."""
+    rng = np.random.default_rng(seed + 7)
+    space = model.k or model.dim
+    out = np.empty((n, model.dim), dtype=np.float32)
+    latent = np.empty((n, space), dtype=np.float32)
     for start in range(0, n, 100_000):
         m = min(100_000, n - start)
-        block = centers[rng.integers(0, clusters, m)] + noise * rng.standard_normal(
-            (m, dim), dtype=np.float32) / np.sqrt(dim)  # fmt: skip
-        out[start : start + m] = block / np.linalg.norm(block, axis=1, keepdims=True)
-    return out
+        latent[start : start + m] = model.latent(rng, m, model.noise)
+        out[start : start + m] = model.embed(rng, latent[start : start + m])
+    return out, latent
 
 
 def link_corpus(src: Path, dst: Path) -> None:
@@ -170,6 +221,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--clusters", type=int, default=20_000)
     parser.add_argument("--noise", type=float, default=2.0)
+    parser.add_argument("--latent_dim", type=int, default=0, help="0: isotropic noise")
     parser.add_argument("--kinds", default="flat,hnsw,ivfflat,ivfpq")
     parser.add_argument("--nlist", type=int, default=2048)
     parser.add_argument("--nprobe", type=int, default=32)
@@ -227,11 +279,11 @@ def main() -> int:
         convert = run_child("convert", corpus_path, str(work / "convert_once"))
         opened = run_child("open", work / "convert_once")
         section = {"lists": lists, "convert": convert, "open": opened}
-        flat = work / "kind_flat"
+        flat = next(iter(sorted(work.glob("kind_flat_*"))), work / "none")
         if (flat / "manifest.json").exists():
             section["retriever_mmap"] = run_child("retriever", flat, "mmap")
             section["retriever_read"] = run_child("retriever", flat, "read")
-        section["open_rss_share_of_lists"] = opened["rss_mb"] / lists["rss_mb"]
+        section["open_over_lists_rss_anon"] = opened["rss_anon_mb"] / lists["rss_anon_mb"]
         report["corpus"] = section
         print(json.dumps(section, indent=1), flush=True)
     if "build" not in skip:
@@ -284,22 +336,24 @@ def build_section(args, work, corpus_path, index_build, Corpus, EncoderConfig) -
 
 def kinds_section(args, work, converted, corpus, index_build, DenseIndex, IndexConfig,
                   Encoder) -> dict:  # fmt: skip
-    vec_folder = work / "vectors"
+    model = VectorModel(args)
+    vec_folder = work / f"vectors_{model.tag}"
     n, dim, shard_docs = len(corpus), args.dim, args.shard_docs
     shards = index_build._shards(n, shard_docs)
-    if not all(index_build._shard_path(vec_folder, s[0]).exists() for s in shards):
-        (vec_folder / "embeddings").mkdir(parents=True, exist_ok=True)
-        vectors = synthetic_vectors(n, dim, args.clusters, args.seed, args.noise)
-        for shard, start, stop in shards:
-            np.save(index_build._shard_path(vec_folder, shard), vectors[start:stop])
-        del vectors
     rng = np.random.default_rng(args.seed + 1)
     rows = rng.choice(n, args.queries, replace=False)
-    queries = np.stack([np.load(index_build._shard_path(vec_folder, r // shard_docs),
-                                mmap_mode="r")[r % shard_docs] for r in rows])  # fmt: skip
-    queries = queries + args.noise * 0.5 * rng.standard_normal(queries.shape).astype(
-        np.float32) / np.sqrt(dim)  # fmt: skip
-    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    latent_path = vec_folder / "query_latent.npy"
+    if not latent_path.exists():
+        (vec_folder / "embeddings").mkdir(parents=True, exist_ok=True)
+        vectors, latent = synthetic_vectors(model, n, args.seed)
+        for shard, start, stop in shards:
+            np.save(index_build._shard_path(vec_folder, shard), vectors[start:stop])
+        np.save(latent_path, latent[rows])
+        del vectors, latent
+    space = model.k or dim
+    near = np.load(latent_path) + 0.5 * args.noise * rng.standard_normal(
+        (len(rows), space), dtype=np.float32) / np.sqrt(space)  # fmt: skip
+    queries = model.embed(rng, near)
     encoder = Encoder("minilm")  # its manifest: a retriever can open the flat folder
     manifest_base = {"corpus_fingerprint": corpus.fingerprint, "num_docs": n, "dim": dim,
                      "encoder": {**encoder.manifest(), "dim": dim}}  # fmt: skip
@@ -315,7 +369,7 @@ def kinds_section(args, work, converted, corpus, index_build, DenseIndex, IndexC
     results, truth = {}, None
     for kind in args.kinds.split(","):
         config = configs[kind]
-        folder = work / f"kind_{kind}"
+        folder = work / f"kind_{kind}_{model.tag}"
         if not (folder / "manifest.json").exists():
             shutil.rmtree(folder, ignore_errors=True)
             link_corpus(converted, folder)
@@ -349,7 +403,8 @@ def kinds_section(args, work, converted, corpus, index_build, DenseIndex, IndexC
         }
         print(kind, json.dumps(results[kind]), flush=True)
         del index
-    return results
+    return {"vectors": model.tag, "latent_dim": model.k, "noise": model.noise,
+            "clusters": args.clusters, "kinds": results}  # fmt: skip
 
 
 if __name__ == "__main__":

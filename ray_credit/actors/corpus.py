@@ -37,6 +37,7 @@ __all__ = [
     "CORPUS_INFO",
     "Corpus",
     "CorpusSource",
+    "cache_folder",
     "cached_corpus",
     "convert_corpus",
     "corpus_fingerprint",
@@ -217,16 +218,22 @@ def _cache_root() -> Path:
     return cache_dir().parent / "corpora"
 
 
-def cached_corpus(source: str | os.PathLike) -> Path:
-    """The folder of the converted copy of corpus file ``source`` in the shared cache,
-    converted now when there is none. Keyed by the file's absolute path, size and
-    modification time: an edited file is converted again, an unchanged one costs a stat."""
+def cache_folder(source: str | os.PathLike) -> Path:
+    """Where the converted copy of corpus file ``source`` lives in the shared cache (it may
+    not be there yet): named by the file's path, size and modification time."""
     from ray_credit.data.loaders import _existing
 
     stamp = source_stamp(_existing(source, "corpus"))
     key = hashlib.blake2b(json.dumps(stamp, sort_keys=True).encode(), digest_size=10)
     name = Path(stamp["path"]).name.split(".")[0][-40:] or "corpus"
-    folder = _cache_root() / f"{name}-{key.hexdigest()}"
+    return _cache_root() / f"{name}-{key.hexdigest()}"
+
+
+def cached_corpus(source: str | os.PathLike) -> Path:
+    """The folder of the converted copy of corpus file ``source`` in the shared cache,
+    converted now when there is none. Keyed by the file's absolute path, size and
+    modification time: an edited file is converted again, an unchanged one costs a stat."""
+    folder = cache_folder(source)
     if read_info(folder) is None:
         from ray_credit.log import log
 
@@ -249,13 +256,9 @@ def count_docs(source: CorpusSource) -> int:
         if info is None:
             raise InputError(f"{path} holds no converted corpus ({CORPUS_INFO} missing)")
         return int(info["num_docs"])
-    from ray_credit.data.loaders import _existing, _open_bytes
+    from ray_credit.data.loaders import _open_bytes
 
-    _existing(path, "corpus")
-    stamp = source_stamp(path)
-    key = hashlib.blake2b(json.dumps(stamp, sort_keys=True).encode(), digest_size=10)
-    cached = read_info(_cache_root() / f"{path.name.split('.')[0][-40:] or 'corpus'}-"
-                                       f"{key.hexdigest()}")  # fmt: skip
+    cached = read_info(cache_folder(path))
     if cached is not None:
         return int(cached["num_docs"])
     if path.suffix == ".parquet":

@@ -261,16 +261,21 @@ def _claim(folder: Path, identity: dict[str, Any]) -> None:
 
 def _corpus_into(corpus: CorpusSource, folder: Path) -> Corpus:
     """The corpus, converted into ``folder`` (once), mapped from there."""
-    from ray_credit.actors.corpus import CORPUS_FILE, CORPUS_INFO, convert_corpus
+    from ray_credit.actors.corpus import CORPUS_FILE, CORPUS_INFO, cache_folder, convert_corpus
 
     if read_info(folder) is None:
         if isinstance(corpus, (str, os.PathLike)) and not _is_converted(corpus):
-            convert_corpus(corpus, folder)
+            cached = cache_folder(corpus)  # converted already (the driver reads it too)
+            if read_info(cached) is not None:
+                _link_or_copy(cached / CORPUS_FILE, folder / CORPUS_FILE)
+                _link_or_copy(cached / CORPUS_INFO, folder / CORPUS_INFO)
+            else:
+                convert_corpus(corpus, folder)
         else:
             source = Corpus.coerce(corpus)
             if source.path is not None:  # a converted corpus elsewhere: link or copy it
                 _link_or_copy(Path(source.path), folder / CORPUS_FILE)
-                shutil.copyfile(Path(source.path).with_name(CORPUS_INFO), folder / CORPUS_INFO)
+                _link_or_copy(Path(source.path).with_name(CORPUS_INFO), folder / CORPUS_INFO)
             else:
                 _write_table(source, folder)
     return Corpus.open(folder)

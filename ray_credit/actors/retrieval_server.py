@@ -229,12 +229,17 @@ class RetrievalDeployment:
         return {**self.retriever.metrics(), **self.batcher.metrics(), **self._errors}
 
     async def info(self) -> dict[str, Any]:
-        """The index manifest, and the folder it was loaded from or built in
-        (``index_folder``, ``index_loaded``): what ``python -m ray_credit.serve`` reports."""
+        """The index manifest, the folder it was opened from (``index_folder``,
+        ``index_loaded``) and where it runs (``index_on_gpu``, ``index_gpus``,
+        ``index_mmapped``): what ``python -m ray_credit.serve`` reports."""
+        index = self.retriever.index
         return {
-            **self.retriever.index.manifest,
+            **index.manifest,
             "index_folder": self.retriever.index_folder,
             "index_loaded": self.retriever.index_loaded,
+            "index_on_gpu": index.on_gpu,
+            "index_gpus": index.gpus,
+            "index_mmapped": index.mmapped,
         }
 
 

@@ -90,7 +90,12 @@ def test_actor_from_async_callers_and_bad_calls(ray_cluster, actor):
 
 
 def test_serve_retrieve_speaks_search_r1_json(retrieve_url):
+    from ray import serve
+
     assert retrieve_url.endswith("/retrieve")
+    info = serve.get_app_handle("retriever-test").info.remote().result()
+    # built once by serve_retriever before the replica started; the replica only opened it
+    assert info["index_loaded"] and info["index_mmapped"] and info["num_docs"] == 20
     body = {"queries": ["What is the capital of France?"], "topk": 2, "return_scores": True}
     response = httpx.post(retrieve_url, json=body, timeout=30)
     assert response.status_code == 200, response.text

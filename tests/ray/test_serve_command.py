@@ -65,7 +65,8 @@ def test_serve_command_answers_and_stops_cleanly(ray_cluster, tmp_path):
     try:
         url = _wait_for(log, r"serving (http://\S+/serve-command)\n", proc, 300).group(1)
         text = log.read_text()
-        assert f"index of 20 docs built in {tmp_path / 'index'}" in text
+        assert f"index of 20 docs in {tmp_path / 'index'} (memory-mapped)" in text
+        assert f"index: 20 passages, flat, in {tmp_path / 'index'}" in text  # built once, here
         assert f"curl -s {url} -H 'Content-Type: application/json'" in text
         body = {"queries": ["What is the capital of France?"], "topk": 2, "return_scores": True}
         response = httpx.post(url, json=body, timeout=60)

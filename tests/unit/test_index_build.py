@@ -203,3 +203,11 @@ def test_a_mismatched_index_file_is_refused(tmp_path):
     with pytest.raises(InputError, match="not a readable faiss index"):
         ensure_index(corpus, tmp_path / "e", index_file=tmp_path / "junk.index")
     assert index_build.read_manifest(tmp_path / "a") is None  # nothing whole was left
+
+
+def test_a_build_links_the_corpus_the_cache_already_converted(tmp_path):
+    path = _jsonl(tmp_path / "c.jsonl", CORPUS_DOCS)
+    cached = cached_corpus(path)  # the driver read it first (its demonstrations' titles)
+    folder = ensure_index(path, tmp_path / "idx")
+    assert (folder / "corpus.arrow").stat().st_ino == (cached / "corpus.arrow").stat().st_ino
+    assert Corpus.open(folder).fingerprint == Corpus(CORPUS_DOCS).fingerprint
