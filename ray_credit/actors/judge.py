@@ -39,6 +39,7 @@ it is generated; it runs in a Ray task, which calls the pool's actors.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -346,7 +347,7 @@ class JudgePool:
                     failures[a] += 1
                     if attempt < self.max_retries:
                         add(counts, "judge/retries")
-                        time.sleep(min(0.5 * 2**attempt, 10.0))  # let Ray restart it
+                        _await_restart(self._actors[a], min(0.5 * 2**attempt, 10.0))
                         queue.append((i, attempt + 1))
                     else:
                         results[i] = ([None] * n, {"judge/failed": float(n)})
@@ -439,3 +440,15 @@ def _missing_hint(signal: JudgedSignal, evidence: bool) -> str:
             "the reference_plan column."
         )
     return ""
+
+
+def _await_restart(actor: Any, backoff_s: float, limit_s: float = 60.0) -> None:
+    """After a judge actor's call failed: sleep ``backoff_s``, then wait (at most
+    ``limit_s``) until Ray has restarted the actor, so that the retry is not spent on an
+    actor still starting (a loaded machine takes seconds). An actor gone for good is left
+    to the retry, which fails and is counted."""
+    import ray
+
+    time.sleep(backoff_s)
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.get(actor.__ray_ready__.remote(), timeout=limit_s)
