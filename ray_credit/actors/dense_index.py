@@ -37,6 +37,7 @@ __all__ = [
     "check_index_config",
     "check_index_folder",
     "faiss_module",
+    "index_manifest",
     "read_manifest",
 ]
 
@@ -202,6 +203,20 @@ def set_search_params(index: Any, config: IndexConfig) -> None:
         faiss.extract_index_ivf(index).nprobe = config.nprobe
 
 
+def index_manifest(corpus: Any, encoder: dict[str, Any], config: IndexConfig) -> dict[str, Any]:
+    """What an index folder's ``manifest.json`` records of an index of ``corpus`` (its
+    fingerprint and size) embedded by the encoder of manifest ``encoder``."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "corpus_fingerprint": corpus.fingerprint,
+        "num_docs": len(corpus),
+        "dim": encoder["dim"],
+        "encoder": encoder,
+        "index": config.manifest(),
+        "faiss_version": faiss_module().__version__,
+    }
+
+
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
     """A folder's ``manifest.json``, None when it has none (not built, or not whole)."""
     path = Path(folder) / MANIFEST
@@ -295,15 +310,7 @@ class DenseIndex:
         config = IndexConfig(kind=config) if isinstance(config, str) else config
         check_index_config(config, len(corpus), encoder.dim)
         wants_gpu(config)  # use_gpu=True without a GPU fails before the embedding
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "corpus_fingerprint": corpus.fingerprint,
-            "num_docs": len(corpus),
-            "dim": encoder.dim,
-            "encoder": encoder.manifest(),
-            "index": config.manifest(),
-            "faiss_version": faiss_module().__version__,
-        }
+        manifest = index_manifest(corpus, encoder.manifest(), config)
         return cls.from_vectors(encoder.encode_passages(corpus.contents), config, manifest)
 
     @classmethod

@@ -45,6 +45,7 @@ from ray_credit.actors.dense_index import (
     check_index_config,
     check_index_folder,
     faiss_module,
+    index_manifest,
     new_index,
     read_manifest,
     set_search_params,
@@ -215,7 +216,7 @@ def _build(corpus, folder, encoder, index, index_file, workers, worker_cpus, wor
                      resources)  # fmt: skip
         check_index_config(index, len(docs), enc["dim"])
         _index_shards(folder, len(docs), enc["dim"], index, shard_docs)
-        manifest = _manifest(docs, enc, index)
+        manifest = index_manifest(docs, enc, index)
         manifest["built"] = {"shard_docs": shard_docs, "workers": workers,
                              "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
     _write_json(folder / MANIFEST, manifest)  # last: the folder is whole
@@ -458,18 +459,6 @@ def _index_shards(folder: Path, num_docs: int, dim: int, config: IndexConfig,
     os.replace(tmp, folder / INDEX_FILE)
 
 
-def _manifest(corpus: Corpus, encoder: dict[str, Any], config: IndexConfig) -> dict[str, Any]:
-    return {
-        "format_version": FORMAT_VERSION,
-        "corpus_fingerprint": corpus.fingerprint,
-        "num_docs": len(corpus),
-        "dim": encoder["dim"],
-        "encoder": encoder,
-        "index": config.manifest(),
-        "faiss_version": faiss_module().__version__,
-    }
-
-
 # ---------------------------------------------------------------------------- import
 def _kind_of(index: Any) -> dict[str, Any]:
     """The IndexConfig fields of a faiss index read from a file."""
@@ -551,6 +540,6 @@ def _import(
     share = import_check(index, corpus, enc, sample=sample, where=str(path))
     log.info(f"index: imported {path}: {share:.0%} of {min(sample, len(corpus))} sampled "
              "passages find their own row first")  # fmt: skip
-    manifest = _manifest(corpus, enc.manifest(), IndexConfig(**{**config.manifest(), **kind}))
+    manifest = index_manifest(corpus, enc.manifest(), IndexConfig(**{**config.manifest(), **kind}))
     manifest.update(imported=True, index_path=str(path), import_check=share)
     return manifest
