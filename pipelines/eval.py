@@ -2,13 +2,14 @@
 overall and per data source: one greedy rollout per question against the retriever.
 
     python pipelines/eval.py --model runs/tspo/checkpoint      # the held-out synthetic questions
-    python pipelines/eval.py --model Qwen/Qwen2.5-3B-Instruct --data.questions nq_test.parquet --split all \\
+    python pipelines/eval.py --model Qwen/Qwen2.5-3B-Instruct --data.questions nq_test.parquet \\
         --data.corpus wiki.jsonl --retriever.encoder.name e5-base-v2 --resources.num_generators 4
     ray job submit --working-dir . -- python pipelines/eval.py --model /shared/ckpt
 
 It reads the same YAML file as the training pipelines (the package's embedded.yaml
 unless --config is given) for the data, retriever and generator settings, so it holds out and
-prompts exactly as the training run did; the file's training sections (learner, pipeline,
+prompts exactly as the training run did (a question file of its own, a test set, is
+evaluated whole: every question, in file order); the file's training sections (learner, pipeline,
 ...) do not apply here and are skipped. Rollouts are greedy with one sample per question,
 whatever generator.temperature and generator.group_size say; with --samples K, each
 question is also rolled out K times at generator.temperature and top_p, and scores its
@@ -61,9 +62,11 @@ TRAINING_SECTIONS = (
 class EvalRun:
     model: str = "smollm2-135m"
     """A checkpoint folder (runs/NAME/checkpoint), an HF id or folder, or an embedded name."""
-    split: Literal["heldout", "all"] = "heldout"
+    split: Literal["heldout", "all"] | None = None
     """'heldout' (the questions a training run with the same data settings holds out) or
-    'all' (every question of data.questions, in file order: a test set's)."""
+    'all' (every question of data.questions, in file order: a test set's). None: 'heldout'
+    where a training split applies (the synthetic questions, or the question file the
+    checkpoint's run trained on), else 'all'."""
     output: str | None = None
     """Write the results here as JSON (None: print only)."""
     before: str | None = None
@@ -94,6 +97,38 @@ class EvalRun:
             raise ValueError(
                 f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
             )
+
+
+def choose_split(cfg: EvalRun, model_path: str) -> tuple[str, str]:
+    """(the split, why): ``cfg.split`` when given; else 'heldout' for the synthetic
+    questions or for the question file the checkpoint's training run held questions out of,
+    'all' for any other question file (a test set: nothing of it was trained on here)."""
+    if cfg.split is not None:
+        return cfg.split, "--split"
+    if cfg.data.questions == "synthetic":
+        return "heldout", "the synthetic questions' training split"
+    trained_on = _trained_questions(model_path)
+    same = (
+        trained_on is not None and Path(trained_on).resolve() == Path(cfg.data.questions).resolve()
+    )
+    if same and cfg.data.eval_file is None:
+        return "heldout", f"the checkpoint's run trained on {trained_on}"
+    return "all", f"no training run's split applies to {cfg.data.questions}"
+
+
+def _trained_questions(path: str) -> str | None:
+    """The data.questions of the training run whose checkpoint ``path`` is (None: not a
+    training checkpoint, or one that keeps no run config)."""
+    saved = checkpoints(Path(path))
+    if not saved:
+        return None
+    from ray_credit.pipeline.runner import checkpoint_state
+
+    try:
+        run = checkpoint_state(str(saved[-1][1]))["metadata"].get("run_config") or {}
+    except (OSError, ValueError, KeyError):
+        return None
+    return (run.get("data") or {}).get("questions")
 
 
 def resolve_model(path: str) -> str:
@@ -190,14 +225,17 @@ def main(argv=None) -> dict:
     if cfg.output and not Path(cfg.output).resolve().parent.is_dir():
         raise SystemExit(f"eval.py: error: --output {cfg.output}: its folder does not exist")
     model = resolve_model(cfg.model)
+    split, why = choose_split(cfg, cfg.model)
+    cfg = replace(cfg, split=split)
     try:
-        if cfg.split == "all":  # every question of the file: no split to hold out
+        if split == "all":  # every question of the file: no split to hold out
             corpus, questions = load_questions(cfg.data)
         else:
             corpus, _, questions = load_data(cfg.data, seed=cfg.seed)
         check_model("--model", model)
     except InputError as err:
         raise SystemExit(f"eval.py: error: {err}") from None
+    print(f"evaluating {len(questions)} questions: split {split} ({why})", flush=True)
     ray = connect(cfg)
     index = cfg.retriever.index_folder
     retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)  # its replicas

@@ -275,6 +275,9 @@ def _apply_tree(config: Any, tree: Mapping[str, Any], prefix: str) -> Any:
             )
         current = getattr(config, key)
         if dataclasses.is_dataclass(current):
+            shorthand = getattr(current, "SHORTHAND", None)
+            if not isinstance(value, Mapping) and shorthand:  # `wandb: disabled`
+                value = {shorthand: value}
             if not isinstance(value, Mapping):
                 raise ValueError(f"{dotted} is a section: give it fields ({dotted}.<field>)")
             changes[key] = _apply_tree(current, value, dotted + ".")
@@ -432,9 +435,10 @@ def parse_config(
     known, _ = first.parse_known_args(argv)
     base = defaults if defaults is not None else cls()
     file = None if known.config is None else Path(known.config)
+    shorthands = _shorthands(cls)
     if file is not None:
         for key in _read_yaml(file, first, skip_sections):
-            if not _is_leaf(cls, key):
+            if not _is_leaf(cls, shorthands.get(key, key)):
                 first.error(f"--config {file}: {unknown_setting(cls, key, foreign)}")
         base = _apply_yaml(base, file, first, skip_sections)
     parser = argparse.ArgumentParser(
@@ -460,8 +464,10 @@ def parse_config(
         for part in name.split("."):
             current = getattr(current, part)
         shown = current if not isinstance(current, tuple) else ",".join(map(str, current))
+        short = [f"--{s}" for s, full in shorthands.items() if full == name]
         groups[name.rpartition(".")[0]].add_argument(
             f"--{name}",
+            *short,
             dest=name,
             default=argparse.SUPPRESS,
             metavar=_metavar(kind),
@@ -480,7 +486,8 @@ def parse_config(
         parser.error("\n".join([f"unrecognized arguments: {' '.join(unknown)}", *hints]))
     args = vars(parsed)
     args.pop("config", None)
-    overrides = {**(_read_yaml(file, first, skip_sections) if file is not None else {}), **args}
+    from_file = _read_yaml(file, first, skip_sections) if file is not None else {}
+    overrides = {**{shorthands.get(k, k): v for k, v in from_file.items()}, **args}
     try:  # the file's settings and the flags together: rules between fields see both
         config = apply_overrides(defaults if defaults is not None else cls(), overrides)
     except (TypeError, ValueError) as err:
@@ -541,6 +548,20 @@ def _plain(text: str) -> str:
         return role[1:].rpartition(".")[2] if role.startswith("~") else role
 
     return _LITERAL.sub(r"\1", _ROLE.sub(target, text))
+
+
+def _shorthands(cls: type, prefix: str = "") -> dict[str, str]:
+    """``{"wandb": "wandb.mode"}`` for every section whose class names a ``SHORTHAND``
+    field: ``--wandb disabled`` (and ``wandb: disabled`` in YAML) sets that field."""
+    out = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            if getattr(kind, "SHORTHAND", None):
+                out[prefix + f.name] = f"{prefix}{f.name}.{kind.SHORTHAND}"
+            out.update(_shorthands(kind, f"{prefix}{f.name}."))
+    return out
 
 
 def _joined_negatives(argv: Sequence[str]) -> list[str]:

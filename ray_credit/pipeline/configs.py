@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ray_credit.actors.generator import RETRIEVAL_TIMEOUT_S, GeneratorConfig
 from ray_credit.actors.index_build import BuildConfig
@@ -40,6 +40,7 @@ __all__ = [
     "ResourcesConfig",
     "RetrieverConfig",
     "RunConfig",
+    "WandbConfig",
     "foreign_sections",
     "load_config",
 ]
@@ -102,6 +103,36 @@ class EvalConfig:
             )
         if self.samples < 0:
             raise ValueError(f"eval.samples must be >= 0 (0: greedy only), got {self.samples}")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases: the run's metrics, its evaluations and its settings (``--wandb
+    MODE`` is short for ``--wandb.mode MODE``)."""
+
+    SHORTHAND: ClassVar[str] = "mode"
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """'offline' (default: kept in the run's folder, `wandb sync` uploads it), 'online'
+    (needs a key: WANDB_API_KEY or `wandb login`) or 'disabled'."""
+    project: str = "ray_credit"
+    """The wandb project."""
+    entity: str | None = None
+    """The team or user the project belongs to (None: the key's default entity)."""
+    group: str | None = None
+    """Groups runs in wandb's interface (the seeds of one method, a sweep)."""
+    tags: tuple[str, ...] = ()
+    """Tags of the run (comma-separated on the command line: --wandb.tags tspo,3b)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.project.strip():
+            raise ValueError("wandb.project must name a project, got a blank string")
+        for tag in self.tags:
+            if not tag.strip() or len(tag) > 64:
+                raise ValueError(
+                    f"wandb.tags: {tag!r} is not a tag wandb takes (1 to 64 characters)"
+                )
 
 
 @dataclass(frozen=True)
@@ -282,8 +313,8 @@ class RunConfig:
     storage_path/name (None: output_dir). A path, or a URI pyarrow opens (s3://bucket/runs,
     gs://..., hdfs://...), as Ray Train's RunConfig(storage_path) takes; on a multi-node
     cluster, one every node sees (a shared filesystem or a bucket)."""
-    wandb: Literal["offline", "online", "disabled"] = "offline"
-    """'offline' (default), 'online' (needs a key: WANDB_API_KEY or `wandb login`) or 'disabled'."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging (--wandb disabled | offline | online; --wandb.project, ...)."""
     log_level: LogLevel = "info"
     """What the run prints: 'info' (each stage and step), 'warning' (problems only),
     'error', or 'debug' (also the libraries' own logs: vLLM, transformers, warnings)."""

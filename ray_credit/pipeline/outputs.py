@@ -127,7 +127,8 @@ class Logger:
         self.file = path.open("a" if resumed_step is not None else "w")
         self.run = None
         self.started = time.perf_counter()
-        if cfg.wandb != "disabled":
+        wb = cfg.wandb
+        if wb.mode != "disabled":
             try:
                 import wandb
             except ImportError as err:
@@ -135,10 +136,13 @@ class Logger:
                     "wandb logging needs `pip install ray-credit[pipeline]` (or pass --wandb disabled)"
                 ) from err
             self.run = wandb.init(
-                project="ray_credit",
+                project=wb.project,
+                entity=wb.entity,
+                group=wb.group,
+                tags=list(wb.tags) or None,
                 name=cfg.name,
                 dir=str(out),
-                mode=cfg.wandb,
+                mode=wb.mode,
                 config=asdict(cfg),
                 reinit="finish_previous",  # a second run in one process (the study)
                 id=wandb_id,
@@ -147,8 +151,8 @@ class Logger:
             )
             where = self.run.settings.sync_dir
             log.info(
-                f"wandb: {cfg.wandb} run {self.run.id} in {where}"
-                + (f" (upload it with `wandb sync {where}`)" if cfg.wandb == "offline" else "")
+                f"wandb: {wb.mode} run {self.run.id} of project {wb.project} in {where}"
+                + (f" (upload it with `wandb sync {where}`)" if wb.mode == "offline" else "")
             )
 
     def log(self, metrics: dict, step: int) -> None:

@@ -297,3 +297,37 @@ def test_train_runs_the_users_stages_around_the_methods_estimator(ray_cluster, t
         "stage 'after' of your own, after the estimator",
     ]
     assert np.isfinite(last["learner/loss"])
+
+
+def test_eval_scores_every_question_of_a_question_file(ray_cluster, tmp_path):
+    """pipelines/eval.py on a 53-question test file and its corpus, no --split: no
+    training run's split applies, so all 53 are evaluated, each once."""
+    from ray_credit.data import WorldConfig, make_world
+
+    world = make_world(WorldConfig(num_entities=20))
+    questions = list(world.questions)[:53]
+    assert len(questions) == 53
+    (tmp_path / "test.jsonl").write_text("".join(
+        json.dumps({"question": q["question"], "golden_answers": list(q["golden_answers"])}) + "\n"
+        for q in questions
+    ))  # fmt: skip
+    (tmp_path / "corpus.jsonl").write_text("".join(
+        json.dumps({"id": d["id"], "contents": d["contents"]}) + "\n" for d in world.corpus
+    ))  # fmt: skip
+    result_file = tmp_path / "eval.json"
+    stdout = run(
+        "eval.py",
+        [
+            "--model", "tiny-random", "--generator.backend", "transformers",
+            "--data.questions", str(tmp_path / "test.jsonl"),
+            "--data.corpus", str(tmp_path / "corpus.jsonl"),
+            "--generator.max_new_tokens", "8", "--generator.max_turns", "2",
+            "--resources.num_generators", "2", "--resources.generator_cpus", "0.5",
+            "--output", str(result_file),
+        ],
+        ray_cluster,
+    )  # fmt: skip
+    assert "evaluating 53 questions: split all" in stdout
+    result = json.loads(result_file.read_text())
+    assert result["split"] == "all" and result["questions"] == 53
+    assert len(result["correct"]) == 53

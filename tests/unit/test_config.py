@@ -426,7 +426,7 @@ def test_choices_hold_for_yaml_flags_and_constructors_alike(tmp_path, capsys):
 
 # Every setting of the pipelines whose values are a fixed set, with its choices in --help.
 ENUMERATED = {
-    "wandb": "{offline,online,disabled}",
+    "wandb.mode": "{offline,online,disabled}",
     "generator.action_style": "{tags,tool_call}",
     "generator.reward": "{em,subem,f1}",
     "generator.backend": "{transformers,vllm}",
@@ -478,3 +478,59 @@ def test_the_module_constants_are_the_literals_choices():
     ]
     for constant, cls, name in pairs:
         assert typing.get_args(_hints(cls)[name]) == constant, (cls, name)
+
+
+def test_wandb_takes_its_mode_alone_or_its_project_entity_group_and_tags(tmp_path):
+    """``--wandb disabled`` and ``wandb: online`` in YAML set the mode (the shorthand);
+    the project, entity, group and tags are settings of their own."""
+    from ray_credit.pipeline.configs import RunConfig
+
+    cfg = parse_config(RunConfig, ["--wandb", "disabled"])
+    assert cfg.wandb.mode == "disabled" and cfg.wandb.project == "ray_credit"
+    file = tmp_path / "run.yaml"
+    file.write_text("wandb: online\n")
+    cfg = parse_config(RunConfig, ["--config", str(file), "--wandb.project", "search-agents",
+                                   "--wandb.entity", "lab", "--wandb.group", "tspo-3b",
+                                   "--wandb.tags", "tspo,nq"])  # fmt: skip
+    assert (cfg.wandb.mode, cfg.wandb.project, cfg.wandb.entity, cfg.wandb.group) == (
+        "online",
+        "search-agents",
+        "lab",
+        "tspo-3b",
+    )
+    assert cfg.wandb.tags == ("tspo", "nq")
+    file.write_text("wandb:\n  mode: disabled\n  group: seeds\n")
+    cfg = parse_config(RunConfig, ["--config", str(file)])
+    assert (cfg.wandb.mode, cfg.wandb.group) == ("disabled", "seeds")
+    with pytest.raises(SystemExit):
+        parse_config(RunConfig, ["--wandb", "loud"])
+    with pytest.raises(ValueError, match="wandb.project must name a project"):
+        replace_path(RunConfig(), "wandb.project", " ")
+
+
+def test_the_logger_opens_wandb_with_the_runs_project_entity_group_and_tags(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from ray_credit.pipeline.configs import RunConfig, WandbConfig
+    from ray_credit.pipeline.outputs import Logger
+
+    seen = {}
+
+    class _Run:
+        id = "abc"
+        settings = types.SimpleNamespace(sync_dir=str(tmp_path))
+
+    fake = types.SimpleNamespace(
+        init=lambda **kw: seen.update(kw) or _Run(), Settings=lambda **kw: kw
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = RunConfig(wandb=WandbConfig(project="p", entity="e", group="g", tags=("a", "b")))
+    Logger(cfg, tmp_path).file.close()
+    assert (seen["project"], seen["entity"], seen["group"], seen["tags"]) == (
+        "p",
+        "e",
+        "g",
+        ["a", "b"],
+    )
+    assert seen["mode"] == "offline"

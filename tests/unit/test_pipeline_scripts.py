@@ -355,7 +355,8 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys, monkeypatch):
     """pipelines/eval.py: a missing output folder, a model that is not there, a --before
     file without outcomes: one line, before Ray starts (an evaluation takes minutes). A
     question file of 3 questions is evaluated whole with --split all (refused only for its
-    model here), and refused with the held-out split, which takes 120 of them."""
+    model here), as it is with no --split, and refused with the held-out split, which
+    takes 120 of them."""
     (tmp_path / "empty.json").write_text('{"correct": {}, "source": {}, "em": 0}')
     questions = [{"question": f"who is {i}?", "golden_answers": [f"p{i}"]} for i in range(3)]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
@@ -373,7 +374,10 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys, monkeypatch):
         # a setting out of range is argparse's error (exit status 2), naming the flag
         (["--samples", "-1"], "--samples: samples must be >= 0 \\(0: greedy only\\), got -1"),
         ([*data, "--split", "all", "--model", str(tmp_path / "none")], "--model='.*none': no such"),
-        ([*data, "--model", str(tmp_path / "none")], "data.eval_questions=120 must hold out"),
+        # no --split: a question file no training run split is evaluated whole
+        ([*data, "--model", str(tmp_path / "none")], "--model='.*none': no such"),
+        ([*data, "--split", "heldout", "--model", str(tmp_path / "none")],
+         "data.eval_questions=120 must hold out"),
     ]  # fmt: skip
     script = ROOT / "pipelines" / "eval.py"
     eval_main = run_config_class(script, "main")

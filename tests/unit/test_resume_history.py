@@ -14,7 +14,7 @@ import pytest
 from ray_credit.config import InputError
 from ray_credit.pipeline import checkpoint_state
 from ray_credit.pipeline.cli import run_config_class
-from ray_credit.pipeline.configs import EMBEDDED_CONFIG, load_config
+from ray_credit.pipeline.configs import EMBEDDED_CONFIG, WandbConfig, load_config
 from ray_credit.pipeline.outputs import Logger, kept_evaluations, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_evaluations_are_kept_only_when_what_decides_them_is_unchanged(capsys):
 
 class _Run:  # the fields Logger reads of a run config
     name = "run"
-    wandb = "disabled"
+    wandb = WandbConfig(mode="disabled")
 
 
 def _rows(path: Path) -> list[float]:
