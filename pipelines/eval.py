@@ -24,8 +24,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-
 from ray_credit.actors.generator import GeneratorConfig
 from ray_credit.config import InputError, check_fields
 from ray_credit.estimators import ESTIMATORS  # noqa: E402
@@ -40,9 +38,9 @@ from ray_credit.pipeline.configs import (
 from ray_credit.pipeline.evaluation import (
     describe_change,
     eval_change,
-    question_key,
+    evaluate_on,
+    overrides_of,
     sampled_title,
-    submit_evaluation,
 )
 from ray_credit.pipeline.preflight import check_model
 from ray_credit.pipeline.questions import load_data, load_questions
@@ -165,49 +163,6 @@ def read_before(path: str) -> dict:
     return data
 
 
-def evaluate_questions(
-    ray, cfg: EvalRun, generators: list, gen: GeneratorConfig, questions: list[dict]
-) -> dict:
-    """Exact match of ``gen``'s rollouts of ``questions`` (greedy, or several samples per
-    question, each scoring its share of right ones), overall and per data source, the
-    questions split over the ``generators``."""
-    shares = [s for s in np.array_split(np.arange(len(questions)), len(generators)) if len(s)]
-    overrides = {"group_size": gen.group_size, "temperature": gen.temperature, "seed": gen.seed}
-    refs = [
-        submit_evaluation(g, [questions[i] for i in share], **overrides)
-        for g, share in zip(generators, shares, strict=False)
-    ]
-    parts = ray.get(refs, timeout=cfg.timeout_s)
-    counts: dict[str, int] = {}
-    hits: dict[str, float] = {}
-    searches: dict[str, float] = {}
-    correct: dict[str, float] = {}
-    source: dict[str, str] = {}
-    for part, share in zip(parts, shares, strict=True):
-        # each part numbers its own questions from 0; the result numbers the whole list
-        for i, key in zip(share, part["correct"], strict=True):
-            whole = question_key(int(i), questions[i]["question"])
-            correct[whole], source[whole] = part["correct"][key], part["source"][key]
-        for data_source, n in part["count_by_source"].items():
-            counts[data_source] = counts.get(data_source, 0) + n
-            hits[data_source] = hits.get(data_source, 0.0) + part["em_by_source"][data_source] * n
-            searched = part["searches_by_source"][data_source] * n
-            searches[data_source] = searches.get(data_source, 0.0) + searched
-    total = sum(counts.values())
-    return {
-        "questions": total,
-        "samples": gen.group_size,
-        "em": sum(hits.values()) / total,
-        "answered": sum(p["answered"] * p["questions"] for p in parts) / total,
-        "searches_per_traj": sum(searches.values()) / total,
-        "searches_by_source": {k: searches[k] / counts[k] for k in sorted(counts)},
-        "em_by_source": {k: hits[k] / counts[k] for k in sorted(counts)},
-        "count_by_source": dict(sorted(counts.items())),
-        "correct": correct,
-        "source": source,
-    }
-
-
 def main(argv=None) -> dict:
     from ray_credit.config import parse_config
 
@@ -244,12 +199,14 @@ def main(argv=None) -> dict:
     result = {
         "model": model,
         "split": cfg.split,
-        **evaluate_questions(ray, cfg, generators, greedy, questions),
+        **evaluate_on(generators, questions, cfg.timeout_s, **overrides_of(greedy)),
         "config": asdict(cfg),
     }
     if cfg.samples:
         sampled = replace(greedy, temperature=cfg.generator.temperature, group_size=cfg.samples)
-        result["sampled"] = evaluate_questions(ray, cfg, generators, sampled, questions)
+        result["sampled"] = evaluate_on(
+            generators, questions, cfg.timeout_s, **overrides_of(sampled)
+        )
     for generator in generators:
         ray.kill(generator)
     print(f"{'data source':<24} {'n':>6} {'EM':>7}")

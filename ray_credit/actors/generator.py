@@ -350,16 +350,17 @@ class Generator:
         group_size: int | None = None,
         temperature: float | None = None,
         seed: int | None = None,
+        max_new_tokens: int | None = None,
         progress: str | None = None,
     ) -> TrajectoryBatch:
         """Roll out ``group_size`` (default ``config.group_size``) trajectories per question.
 
         A question is a mapping with ``question`` and ``golden_answers`` (list of str);
         optional ``id``, ``data_source``, ``supporting_doc_ids``, ``reference_plan``.
-        ``temperature`` (0: greedy) and ``seed`` set this call's sampling instead of the
-        config's and the call count's (``config.seed`` + calls so far), so one generator
-        serves a greedy and a sampled evaluation, each as a fresh generator would roll it
-        out. ``progress``: a progress bar of finished trajectories with this title, where
+        ``temperature`` (0: greedy), ``seed`` and ``max_new_tokens`` (per turn) set this
+        call's sampling instead of the config's and the call count's (``config.seed`` +
+        calls so far), so one generator serves training, a greedy and a sampled
+        evaluation, each as a fresh generator would roll it out. ``progress``: a progress bar of finished trajectories with this title, where
         one is seen (:func:`ray_credit.progress.progress_bar`).
         """
         cfg = self.config
@@ -370,6 +371,9 @@ class Generator:
             raise ValueError("generate got no questions; pass at least one")
         if temperature is not None and not 0 <= temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         start = time.perf_counter()
         seed = cfg.seed + self._calls if seed is None else seed
         temperature = cfg.temperature if temperature is None else temperature
@@ -396,7 +400,7 @@ class Generator:
             if not live:
                 break
             params = SamplingParams(
-                max_new_tokens=cfg.max_new_tokens,
+                max_new_tokens=max_new,
                 temperature=temperature,
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
@@ -763,6 +767,7 @@ def make_generator_actor(
     num_gpus: float = 0,
     resources: dict | None = None,
     max_restarts: int = 0,
+    scheduling_strategy: Any = None,
     **kwargs: Any,
 ):
     """Start a :class:`Generator` as a Ray actor; resources come from the caller.
@@ -774,6 +779,10 @@ def make_generator_actor(
     import ray
 
     actor = ray.remote(Generator).options(
-        num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=max_restarts
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        resources=resources,
+        max_restarts=max_restarts,
+        scheduling_strategy=scheduling_strategy,  # a placement-group bundle, or None
     )
     return actor.remote(*args, **kwargs)

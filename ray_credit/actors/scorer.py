@@ -295,6 +295,7 @@ def make_scorer_actor(
     num_gpus: float = 0,
     resources: dict | None = None,
     max_restarts: int = 0,
+    scheduling_strategy: Any = None,
     **kwargs: Any,
 ):
     """Start an :class:`InfoGainScorer` as a Ray actor; resources come from the caller.
@@ -303,6 +304,10 @@ def make_scorer_actor(
     import ray
 
     actor = ray.remote(InfoGainScorer).options(
-        num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=max_restarts
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        resources=resources,
+        max_restarts=max_restarts,
+        scheduling_strategy=scheduling_strategy,  # a placement-group bundle, or None
     )
     return actor.remote(*args, **kwargs)

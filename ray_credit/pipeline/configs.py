@@ -87,6 +87,11 @@ class EvalConfig:
     apart from RL's)."""
     max_new_tokens: int | None = None
     """Token limit per turn (None: the generator's)."""
+    generators: Literal["training", "own"] = "training"
+    """Who rolls the evaluations out: 'training' (the training generators, between the
+    steps they train: nothing extra to place) or 'own' (one generator of its own,
+    resources.eval_cpus and a generator's GPUs, made for each evaluation while training's
+    are not up)."""
     samples: int = 0
     """Also roll out every held-out question this many times with the generator's
     sampling settings (temperature, top_p, seed) and report the sampled EM: the mean over
@@ -252,7 +257,19 @@ class ResourcesConfig:
     judge_cpus: float = 0.25
     """CPUs of each judge actor (LLM backends)."""
     eval_cpus: float = 2.0
-    """CPUs of the evaluation generator (busy only before and after training)."""
+    """CPUs of the evaluation's own generator (eval.generators: own, and the base policy's
+    evaluation before a warm-start)."""
+    scorer_gpus: float | None = None
+    """GPUs of the info-gain scorer (IGPO, A²TGPO). None: as a generator's. A share below 1
+    beside whole-GPU generators puts it on generator 0's GPU: both start in one bundle of
+    that GPU, generator 0 asking (and its vLLM engine using) the rest."""
+    local_gpus: int | None = None
+    """GPUs of a local Ray started by the script (None: the machine's, as Ray counts them).
+    Logical: more than the machine has lets a plan be placed and tried without them."""
+    cluster_config: str | None = None
+    """The cluster launcher YAML a run on a cluster is placed against before any actor
+    starts: its node types, each up to its max_workers (None: ~/ray_bootstrap_config.yaml,
+    which `ray up` leaves on the head; else the nodes up now)."""
     local_cpus: int | None = None
     """Logical CPUs of a local Ray started by the script (None: the machine's, at least 6:
     the actors ask for more CPUs than they keep busy at once)."""
@@ -278,6 +295,23 @@ class ResourcesConfig:
                 raise ValueError(
                     f"resources.{name} must be a finite number >= 0, got {getattr(self, name)}"
                 )
+        for name in ("generator_gpus", "retriever_gpus", "scorer_gpus"):
+            gpus = getattr(self, name)
+            if gpus is not None and gpus > 1 and not float(gpus).is_integer():
+                raise ValueError(
+                    f"resources.{name}={gpus:g}: Ray gives a share of one GPU (below 1) or "
+                    "whole GPUs; use a fraction below 1 or a whole number"
+                )
+        if self.scorer_gpus is not None and not 0 <= self.scorer_gpus < math.inf:
+            raise ValueError(
+                f"resources.scorer_gpus must be a finite number >= 0, or null for a "
+                f"generator's, got {self.scorer_gpus}"
+            )
+        if self.local_gpus is not None and self.local_gpus < 0:
+            raise ValueError(
+                f"resources.local_gpus must be >= 0, or null for the machine's, got "
+                f"{self.local_gpus}"
+            )
         if self.generator_max_restarts < -1:
             raise ValueError(
                 "resources.generator_max_restarts must be >= 0, or -1 for as many as Ray "
@@ -404,6 +438,7 @@ def load_config(
     from ray_credit.config import apply_overrides, parse_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    _note_demo_settings(argv, default_config)
     defaults = recipe_defaults(cls(), estimator)
     resumed = _resumed_settings(argv)
     if resumed is not None:  # the run being resumed replaces the default file
@@ -424,6 +459,25 @@ def load_config(
         defaults=defaults,
         default_config=default_config,
         foreign_sections=foreign_sections(cls),
+    )
+
+
+def _note_demo_settings(argv: Sequence[str], default_config: str | Path | None) -> None:
+    """One line when a question file of the user's meets the embedded CPU demo's settings
+    (no --config): which file the settings come from, and the one for real data."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    if "--config" in given or "--resume" in given or default_config is None:
+        return
+    questions = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--data.questions"),
+                     next((a.split("=", 1)[1] for a in argv if a.startswith("--data.questions=")),
+                          None))  # fmt: skip
+    if questions in (None, "synthetic"):
+        return
+    log.info(
+        f"note: --data.questions {questions} with the embedded demo's settings ({default_config}: "
+        "SmolLM2 on a CPU, 32 tokens a turn, one document a search, a warm-start on scripted "
+        "demonstrations); for Search-R1's recipe on GPUs add --config "
+        "pipelines/configs/search_r1.yaml"
     )
 
 

@@ -26,7 +26,9 @@ __all__ = [
     "eval_metrics",
     "eval_summary",
     "evaluate",
+    "evaluate_on",
     "evaluate_policy",
+    "overrides_of",
     "question_key",
     "report_change",
     "sampled_title",
@@ -35,13 +37,21 @@ __all__ = [
 
 
 def evaluate_policy(
-    cfg: Any, retriever: Any, learner: Any, questions: list[dict], when: str
+    cfg: Any,
+    retriever: Any,
+    learner: Any,
+    questions: list[dict],
+    when: str,
+    generators: Sequence[Any] = (),
 ) -> dict:
     """Exact match of greedy rollouts on the learner's current weights (no learner:
     ``cfg.model``'s own) and, with ``eval.samples``, of ``eval.samples`` sampled rollouts
-    per question (under ``"sampled"``). One generator rolls out both; it is made for this
-    evaluation only (so it holds no resources while training), and not at all when both
-    evaluations are kept from an earlier run of the same warm-started policy."""
+    per question (under ``"sampled"``). ``generators`` (the training generators, between
+    the steps they train) roll both out, the questions split over them, each brought to
+    the learner's weights first; without them one generator of the evaluation's own is
+    made for this evaluation only (so it holds no resources while training). None is
+    used when both evaluations are kept from an earlier run of the same warm-started
+    policy."""
     import ray
 
     greedy = replace(
@@ -54,17 +64,18 @@ def evaluate_policy(
     actor = None
 
     def rollouts(gen: Any) -> dict:
-        """``gen``'s evaluation by the one generator, made on first need."""
+        """``gen``'s evaluation by the training generators, or by one made on first need."""
         nonlocal actor
+        if generators:
+            _bring_to(generators, learner, version, cfg.pipeline.timeout_s)
+            return evaluate_on(generators, questions, cfg.pipeline.timeout_s, **overrides_of(gen))
         if actor is None:
             (actor,) = make_generators(cfg.model, retriever, cfg, greedy, prefix=None,
                                        count=1, num_cpus=cfg.resources.eval_cpus)  # fmt: skip
             if version > 0:
                 ray.get(actor.update_weights.remote(version, learner.weights()),
                         timeout=cfg.pipeline.timeout_s)  # fmt: skip
-        overrides = {"group_size": gen.group_size, "temperature": gen.temperature,
-                     "seed": gen.seed}  # fmt: skip
-        return evaluate(actor, questions, cfg.pipeline.timeout_s, **overrides)
+        return evaluate(actor, questions, cfg.pipeline.timeout_s, **overrides_of(gen))
 
     try:
         result = _evaluation(cfg, questions, when, greedy, version, rollouts)
@@ -76,6 +87,20 @@ def evaluate_policy(
         if actor is not None:
             ray.kill(actor)
     return result
+
+
+def _bring_to(generators: Sequence[Any], learner: Any, version: int, timeout_s: float) -> None:
+    """The training generators on the learner's weights (a resumed run's evaluation before
+    training; after training the pipeline's last publication has done it)."""
+    import ray
+
+    if learner is None:
+        return
+    versions = ray.get([g.get_policy_version.remote() for g in generators], timeout=timeout_s)
+    behind = [g for g, v in zip(generators, versions, strict=True) if v != version]
+    if behind:
+        weights = learner.weights()
+        ray.get([g.update_weights.remote(version, weights) for g in behind], timeout=timeout_s)
 
 
 def _evaluation(
@@ -149,6 +174,66 @@ def evaluate(
     import ray
 
     return ray.get(submit_evaluation(generator, questions, **overrides), timeout=timeout_s)
+
+
+def overrides_of(gen: Any) -> dict[str, Any]:
+    """The per-call settings of :meth:`~ray_credit.actors.generator.Generator.generate`
+    that make any generator roll out as ``gen`` (a GeneratorConfig) would."""
+    return {"group_size": gen.group_size, "temperature": gen.temperature, "seed": gen.seed,
+            "max_new_tokens": gen.max_new_tokens}  # fmt: skip
+
+
+def evaluate_on(
+    generators: Sequence[Any],
+    questions: Sequence[Mapping[str, Any]],
+    timeout_s: float,
+    **overrides: Any,
+) -> dict:
+    """:func:`evaluate` with ``questions`` split over ``generators`` in order, the parts
+    merged as one evaluation of the whole list (outcomes keyed by their place in it)."""
+    import ray
+
+    from ray_credit.stats import proportion_interval
+
+    shares = [s for s in np.array_split(np.arange(len(questions)), len(generators)) if len(s)]
+    refs = [
+        submit_evaluation(g, [questions[i] for i in share], **overrides)
+        for g, share in zip(generators, shares, strict=False)
+    ]
+    parts = ray.get(refs, timeout=timeout_s)
+    if len(parts) == 1:
+        return parts[0]
+    counts: dict[str, int] = {}
+    hits: dict[str, float] = {}
+    searches: dict[str, float] = {}
+    correct: dict[str, float] = {}
+    source: dict[str, str] = {}
+    for part, share in zip(parts, shares, strict=True):
+        # each part numbers its own questions from 0; the result numbers the whole list
+        for i, key in zip(share, part["correct"], strict=True):
+            whole = question_key(int(i), questions[i]["question"])
+            correct[whole], source[whole] = part["correct"][key], part["source"][key]
+        for data_source, n in part["count_by_source"].items():
+            counts[data_source] = counts.get(data_source, 0) + n
+            hits[data_source] = hits.get(data_source, 0.0) + part["em_by_source"][data_source] * n
+            searched = part["searches_by_source"][data_source] * n
+            searches[data_source] = searches.get(data_source, 0.0) + searched
+    total = sum(counts.values())
+    samples = max(p["samples"] for p in parts)
+    right = int(sum(correct.values())) if samples == 1 else 0
+    return {
+        "em": sum(hits.values()) / total,
+        "em_interval": list(proportion_interval(right, total)) if samples == 1 else None,
+        "em_by_source": {k: hits[k] / counts[k] for k in sorted(counts)},
+        "count_by_source": dict(sorted(counts.items())),
+        "correct": correct,
+        "source": source,
+        "answered": sum(p["answered"] * p["questions"] for p in parts) / total,
+        "searches_per_traj": sum(searches.values()) / total,
+        "searches_by_source": {k: searches[k] / counts[k] for k in sorted(counts)},
+        "questions": total,
+        "samples": samples,
+    }
 
 
 def question_key(position: int, question: str) -> str:

@@ -31,6 +31,7 @@ from ray_credit.config import check_config
 from ray_credit.log import log, setup_logging
 from ray_credit.pipeline.evaluation import eval_metrics, evaluate_policy, report_change
 from ray_credit.pipeline.outputs import RunOutputs
+from ray_credit.pipeline.placement import run_asks
 from ray_credit.pipeline.plan import make_plan
 from ray_credit.pipeline.preflight import (
     check_index_settings,
@@ -48,6 +49,7 @@ from ray_credit.pipeline.services import (
     make_retriever,
     make_scorer,
     resource_demand,
+    shared_gpu_bundle,
     wait_started,
 )
 from ray_credit.warm_start import rl_questions
@@ -92,7 +94,8 @@ def train(
         cfg = replace(cfg, resume=str(check_resume_folder(cfg.resume)))
     resumed_step = outputs.resume(cfg.resume)
     # Ray, the retriever, the outputs.
-    ray = connect(cfg, resource_demand(cfg, plan))
+    # Placed before any actor starts (a local Ray's plan before Ray itself), and printed.
+    ray = connect(cfg, resource_demand(cfg, plan), asks=run_asks(cfg, plan.services))
     log.info(
         f"data: {len(train_q)} training questions, {len(eval_q)} held out"
         + (f"; RL draws from the {len(rl_q)} the warm-start does not demonstrate"
@@ -106,15 +109,20 @@ def train(
         cfg = _warm_start(cfg, retriever, train_q, eval_q, titles, outputs)
     summary["policy"] = cfg.model  # what every actor below loads
     learner = make_learner(cfg)
-    _evaluate_before(cfg, retriever, learner, eval_q, outputs, resumed_step)
-    outputs.save()  # a run cut off later keeps what it measured so far
-    # The pipeline: signals' services, generators, the asynchronous loop.
-    judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
-    scorer = make_scorer(cfg, plan) if "scorer" in plan.services else None
-    rl_q = with_reference_plans(plan, judges, rl_q, outputs.out / "reference_plans.jsonl")
-    generators = make_generators(cfg.model, retrievers, cfg, cfg.generator, prefix="gen")
+    # The generators (and the scorer, on its own GPU or on generator 0's); the evaluations
+    # run on them unless eval.generators is 'own'.
+    shared = shared_gpu_bundle(cfg, plan)
+    scorer = make_scorer(cfg, plan, shared) if "scorer" in plan.services else None
+    generators = make_generators(cfg.model, retrievers, cfg, cfg.generator, prefix="gen",
+                                 shared=shared)  # fmt: skip
     wait_started({"info-gain scorer": scorer} if scorer is not None else {})
     wait_started({f"generator {i}": g for i, g in enumerate(generators)})
+    evaluators = generators if cfg.eval.generators == "training" else ()
+    _evaluate_before(cfg, retriever, learner, eval_q, outputs, resumed_step, evaluators)
+    outputs.save()  # a run cut off later keeps what it measured so far
+    # The pipeline: signals' services, the asynchronous loop.
+    judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
+    rl_q = with_reference_plans(plan, judges, rl_q, outputs.out / "reference_plans.jsonl")
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
         pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(outputs.storage / "checkpoint"))
@@ -136,17 +144,21 @@ def train(
     history = pipeline.run()
     summary.update(steps=pipeline.step, groups_trained=len(pipeline.trained_groups),
                    checkpoint=pipe_cfg.checkpoint_dir)  # fmt: skip
-    # Training's generators and scorer are done: their memory (a vLLM engine's KV cache
-    # each) goes back before the evaluation's generator starts.
-    for actor in [*pipeline.generators, *([scorer] if scorer is not None else [])]:
+    # Training's scorer is done, and so are its generators unless they evaluate: their
+    # memory (a vLLM engine's KV cache each) goes back before an evaluation's own starts.
+    evaluators = pipeline.live_generators if evaluators else ()
+    for actor in [*([scorer] if scorer is not None else []),
+                  *(a for a in pipeline.generators if a not in evaluators)]:  # fmt: skip
         ray.kill(actor)
     # Evaluation after training, and the outputs.
     if cfg.eval.enabled:
         when = f"after {pipeline.step} steps"
-        summary["eval_after"] = evaluate_policy(cfg, retriever, learner, eval_q, when)
+        summary["eval_after"] = evaluate_policy(cfg, retriever, learner, eval_q, when, evaluators)
         outputs.logger.log(eval_metrics(summary["eval_after"]), step=pipeline.step)
         if "eval_before" in summary:
             report_change(summary, outputs.logger, pipeline.step)
+    for actor in evaluators:
+        ray.kill(actor)
     summary["final_step_metrics"] = history[-1] if history else {}
     summary["seconds"] = time.perf_counter() - t_start
     outputs.close()
@@ -210,9 +222,11 @@ def _evaluate_before(
     eval_q: list[dict],
     outputs: RunOutputs,
     resumed_step: int | None,
+    generators: Any,
 ) -> None:
-    """The evaluation before training, on the learner's weights: a resumed run keeps its
-    first start's when what decides it is unchanged, else evaluates the resumed policy."""
+    """The evaluation before training, on the learner's weights (by ``generators``, the
+    training ones, or else by one of its own): a resumed run keeps its first start's when
+    what decides it is unchanged, else evaluates the resumed policy."""
     if not cfg.eval.enabled:
         return
     summary = outputs.summary
@@ -224,5 +238,5 @@ def _evaluate_before(
         )
         return
     when = "before training" if resumed_step is None else f"at step {resumed_step}"
-    summary["eval_before"] = evaluate_policy(cfg, retriever, learner, eval_q, when)
+    summary["eval_before"] = evaluate_policy(cfg, retriever, learner, eval_q, when, generators)
     outputs.logger.log(eval_metrics(summary["eval_before"]), step=resumed_step or 0)

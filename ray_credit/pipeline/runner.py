@@ -497,6 +497,11 @@ class Pipeline:
         return self.questions[int(self._orders[epoch][pos])]
 
     # ----------------------------------------------------------------- the loop
+    @property
+    def live_generators(self) -> list[Any]:
+        """The generators still in the pool (one that died for good has left it)."""
+        return [g for i, g in enumerate(self.generators) if i not in self._lost]
+
     def run(self) -> list[dict[str, float]]:
         """Train until ``config.steps`` steps are done; return every step's metrics."""
         self._free_since = self._step_ended = time.perf_counter()

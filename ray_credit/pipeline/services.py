@@ -6,12 +6,25 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ray_credit.actors.generator import GeneratorConfig
 from ray_credit.log import log, worker_env
 from ray_credit.pipeline.configs import JudgeConfig, ResourcesConfig, RetrieverConfig
+from ray_credit.pipeline.placement import (
+    PHASES,
+    Ask,
+    PlacementError,
+    check_storage,
+    cluster_nodes,
+    held_in,
+    local_nodes,
+    place,
+    run_asks,
+    scorer_shares_gpu,
+)
 from ray_credit.pipeline.plan import Plan
 from ray_credit.progress import wants_progress
 from ray_credit.storage import StoragePath
@@ -25,22 +38,27 @@ __all__ = [
     "make_retriever",
     "make_scorer",
     "resource_demand",
+    "shared_gpu_bundle",
     "wait_started",
 ]
 
 
-def connect(cfg: Any, demand: Mapping[str, float] | None = None):
+def connect(cfg: Any, demand: Mapping[str, float] | None = None, *, asks: Sequence[Ask] = ()):
     """Ray: the cluster of RAY_ADDRESS (``ray job submit`` sets it), else a local one with
     at least the CPUs ``demand`` asks for (:func:`resource_demand`: logical CPUs, since
-    the actors ask for more than they keep busy at once). A local cluster that cannot
-    hold ``demand`` is refused before any actor starts; a cluster that holds less is told
-    of in a warning (an autoscaler may add nodes)."""
+    the actors ask for more than they keep busy at once) and ``resources.local_gpus``.
+    ``asks`` (:func:`~ray_credit.pipeline.placement.run_asks`) are placed on the nodes
+    before any actor starts and the plan printed: a local Ray's plan that does not fit is
+    refused before Ray starts, and so is a cluster's placed against its cluster YAML; one
+    placed against the nodes up now is told of in a warning (an autoscaler may add nodes)."""
     import ray
 
     from ray_credit.config import InputError
 
     demand = dict(demand or {})
     if ray.is_initialized():
+        if asks:
+            _place_on_cluster(cfg, asks, ray)
         return ray
     # the run's workers as quiet as its log level (vLLM, transformers, torch's C++ logs)
     quiet = {
@@ -50,6 +68,9 @@ def connect(cfg: Any, demand: Mapping[str, float] | None = None):
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
         log.info(f"connected to the Ray cluster at {os.environ['RAY_ADDRESS']}")
+        if asks:
+            _place_on_cluster(cfg, asks, ray)
+            return ray
         short = _shortage(demand, ray.cluster_resources())
         if short:
             log.warning(
@@ -60,8 +81,12 @@ def connect(cfg: Any, demand: Mapping[str, float] | None = None):
         return ray
     needed = math.ceil(demand.get("CPU", 0.0) - 1e-9)
     cpus = cfg.resources.local_cpus or max(6, os.cpu_count() or 1, needed)
+    if asks:  # refused here, before Ray starts, when it cannot fit
+        log.info(place(asks, local_nodes(cfg.resources, cpus), "a local Ray").table())
+    gpus = cfg.resources.local_gpus
     # address="local": a new cluster even when a `ray start` head runs on this machine
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+             **({"num_gpus": gpus} if gpus is not None else {}), **quiet)  # fmt: skip
     short = _shortage(demand, ray.cluster_resources())
     if short:
         ray.shutdown()
@@ -75,58 +100,32 @@ def connect(cfg: Any, demand: Mapping[str, float] | None = None):
     return ray
 
 
+def _place_on_cluster(cfg: Any, asks: Sequence[Ask], ray: Any) -> None:
+    nodes, source = cluster_nodes(cfg.resources, ray.nodes())
+    try:
+        placement = place(asks, nodes, source)
+        log.info(placement.table())
+        check_storage(placement, cfg)
+    except PlacementError as err:
+        if "node types" in source:  # placed against the cluster's YAML: it cannot fit
+            raise
+        log.warning(
+            f"warning: the nodes up now cannot hold the run ({err}); its actors will wait "
+            "for an autoscaler to add nodes. Give the cluster's YAML to place the run "
+            "against its node types before any actor starts: --resources.cluster_config FILE"
+        )
+
+
 def resource_demand(cfg: Any, plan: Plan) -> dict[str, float]:
     """The most of each resource (CPU, GPU, the custom ones) that the run's actors hold at
-    once. The run's phases, in order: the base policy's evaluation (retriever, evaluation
-    generator), the warm-start (retriever, a learner-sized task), the evaluation before
-    training (retriever, learner, evaluation generator), training (retriever, judges,
-    scorer, generators, learner) and the evaluation after it (the training generators and
-    scorer gone, the judges still up)."""
-    res = cfg.resources
-    judges = (
-        cfg.judge.num_actors if "judge" in plan.services and cfg.judge.backend != "evidence" else 0
-    )
-    kinds = {  # name: (how many, CPUs, GPUs, role)
-        "retriever": (
-            0 if cfg.retriever.url else 1,
-            res.retriever_cpus,
-            res.retriever_gpus,
-            "service",
-        ),
-        "judges": (judges, res.judge_cpus, 0.0, "service"),
-        "scorer": (
-            int("scorer" in plan.services),
-            res.generator_cpus,
-            res.generator_gpus,
-            "generator",
-        ),  # fmt: skip
-        "generators": (res.num_generators, res.generator_cpus, res.generator_gpus, "generator"),
-        "learner": (res.learner_workers, res.learner_cpus, float(res.use_gpu), "learner"),
-        "warm_start": (
-            int(cfg.warm_start.enabled),
-            res.learner_cpus,
-            float(res.use_gpu),
-            "learner",
-        ),  # fmt: skip
-        "eval": (int(cfg.eval.enabled), res.eval_cpus, res.generator_gpus, "generator"),
-    }
-    phases = [
-        ("retriever", "eval"),
-        ("retriever", "warm_start"),
-        ("retriever", "learner", "eval"),
-        ("retriever", "judges", "scorer", "generators", "learner"),
-        ("retriever", "judges", "learner", "eval"),
-    ]
+    once, over the run's phases (:mod:`~ray_credit.pipeline.placement`)."""
+    asks = run_asks(cfg, plan.services)
     demand: dict[str, float] = {}
-    for phase in phases:
-        held: dict[str, float] = {}
-        for kind in phase:
-            count, cpus, gpus, role = kinds[kind]
-            for name, amount in {"CPU": cpus, "GPU": gpus, **res.custom(role)}.items():
-                held[name] = held.get(name, 0.0) + count * amount
-        for name, amount in held.items():
+    for phase in PHASES:
+        for name, amount in held_in(asks, phase).items():
             demand[name] = max(demand.get(name, 0.0), amount)
-    return {name: amount for name, amount in demand.items() if amount > 0}
+    order = sorted(demand, key=lambda name: (name not in ("CPU", "GPU"), name))  # CPU, GPU, ...
+    return {name: demand[name] for name in order if demand[name] > 0}
 
 
 def _shortage(demand: Mapping[str, float], have: Mapping[str, float]) -> str:
@@ -218,30 +217,64 @@ def make_generators(
     prefix: str | None,
     count: int | None = None,
     num_cpus: float | None = None,
+    shared: Any = None,
 ) -> list:
     """``count`` (default ``resources.num_generators``) generator actors named ``prefix0``,
     ... (None: unnamed), searching ``retriever`` (a list: generator i searches entry i mod
     its length), each with ``num_cpus`` (default ``resources.generator_cpus``), the
-    GPUs and the custom generator resource of ``cfg.resources``."""
+    GPUs and the custom generator resource of ``cfg.resources``. ``shared``: the bundle
+    (:func:`shared_gpu_bundle`) generator 0 shares with the scorer: it asks the GPU's rest
+    and its vLLM engine takes that share of the memory it would take alone."""
     from ray_credit.actors.generator import make_generator_actor
 
     res = cfg.resources
     replicas = retriever if isinstance(retriever, list) else [retriever]
-    return [
-        make_generator_actor(
+    actors = []
+    for i in range(res.num_generators if count is None else count):
+        gen, gpus, options = generator, res.generator_gpus, {"resources": res.custom("generator")}
+        if shared is not None and i == 0:
+            rest = res.generator_gpus - res.scorer_gpus
+            gpus, options = rest, _in_bundle(shared)
+            util = generator.vllm.gpu_memory_utilization * rest
+            gen = replace(generator, vllm=replace(generator.vllm, gpu_memory_utilization=util))
+            if generator.backend == "vllm":
+                log.info(
+                    f"generator 0 shares its GPU with the info-gain scorer: {rest:g} of it, "
+                    f"vLLM at gpu_memory_utilization {util:.2f} (generator.vllm's "
+                    f"{generator.vllm.gpu_memory_utilization:g} x {rest:g})"
+                )
+        actors.append(make_generator_actor(
             model,
             replicas[i % len(replicas)],
-            generator,
+            gen,
             num_cpus=res.generator_cpus if num_cpus is None else num_cpus,
-            num_gpus=res.generator_gpus,
-            resources=res.custom("generator"),
+            num_gpus=gpus,
             max_restarts=res.generator_max_restarts,
             device="cuda" if res.generator_gpus else "cpu",
             name=None if prefix is None else f"{prefix}{i}",
             retrieval_timeout_s=cfg.retriever.timeout_s,
-        )
-        for i in range(res.num_generators if count is None else count)
-    ]
+            **options,
+        ))  # fmt: skip
+    return actors
+
+
+def shared_gpu_bundle(cfg: Any, plan: Plan) -> Any:
+    """A placement group of one bundle, one GPU and the CPUs of two generators, that
+    generator 0 and the info-gain scorer start in (``resources.scorer_gpus`` below 1:
+    :func:`~ray_credit.pipeline.placement.scorer_shares_gpu`); None when they do not share."""
+    res = cfg.resources
+    if "scorer" not in plan.services or not scorer_shares_gpu(res):
+        return None
+    from ray.util.placement_group import placement_group
+
+    bundle = {"CPU": 2 * res.generator_cpus, "GPU": 1.0, **res.custom("generator")}
+    return placement_group([bundle], name="generator0-and-scorer")
+
+
+def _in_bundle(group: Any) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0)}
 
 
 def make_judge_pool(cfg: JudgeConfig, res: ResourcesConfig):
@@ -267,20 +300,22 @@ def make_judge_pool(cfg: JudgeConfig, res: ResourcesConfig):
     )
 
 
-def make_scorer(cfg: Any, plan: Plan):
-    """The info-gain scorer actor on the policy model (it joins the weight targets)."""
+def make_scorer(cfg: Any, plan: Plan, shared: Any = None):
+    """The info-gain scorer actor on the policy model (it joins the weight targets), in
+    the bundle it shares with generator 0 when ``shared`` (:func:`shared_gpu_bundle`)."""
     from ray_credit.actors.scorer import make_scorer_actor
 
     (signal,) = [s for s in plan.signals if s.service == "scorer"]
     res = cfg.resources
+    gpus = res.generator_gpus if res.scorer_gpus is None else res.scorer_gpus
     return make_scorer_actor(
         cfg.model,
         mode=signal.mode,
         max_batch_tokens=signal.max_batch_tokens,
         num_cpus=res.generator_cpus,
-        num_gpus=res.generator_gpus,
-        resources=res.custom("generator"),
-        device="cuda" if res.generator_gpus else "cpu",
+        num_gpus=gpus,
+        **(_in_bundle(shared) if shared is not None else {"resources": res.custom("generator")}),
+        device="cuda" if gpus else "cpu",
         autocast=cfg.learner.autocast,  # the policy's beliefs in the learner's numerics
         max_restarts=res.generator_max_restarts,
     )

@@ -1,0 +1,500 @@
+"""Where every actor of a run goes, known before any of them starts.
+
+A run's actors live through phases: the evaluation of the base policy (before a
+warm-start), the warm-start, the evaluation before training, training, the evaluation
+after it. :func:`run_asks` lists what each actor asks Ray for and in which phases it is
+up; :func:`place` packs them, phase by phase, on the nodes a run has (:func:`local_nodes`,
+:func:`cluster_nodes`): whole GPUs first, then fractions of one GPU on the fullest GPU that
+holds them, an actor keeping its place for as long as it lives. A plan that does not fit is
+refused with the arithmetic (:class:`PlacementError`); one that fits prints as a short
+table (:meth:`Placement.table`). Ray's scheduler then places the same requests: the plan
+shows that they fit, and where.
+
+The info-gain scorer (IGPO, A²TGPO) may share generator 0's GPU
+(``resources.scorer_gpus`` below 1 with generators of one GPU each): both then start in
+one placement-group bundle of one GPU, generator 0 asking the rest of it
+(:func:`ray_credit.pipeline.services.shared_gpu_bundle`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ray_credit.config import InputError
+
+__all__ = [
+    "PHASES",
+    "Ask",
+    "Node",
+    "Placement",
+    "PlacementError",
+    "cluster_nodes",
+    "held_in",
+    "local_nodes",
+    "nodes_of_cluster_yaml",
+    "place",
+    "run_asks",
+    "check_storage",
+    "scorer_shares_gpu",
+]
+
+PHASES = ("base", "warm_start", "eval_before", "training", "eval_after")
+TITLES = {
+    "base": "evaluation of the base policy",
+    "warm_start": "warm-start",
+    "eval_before": "evaluation before training",
+    "training": "training",
+    "eval_after": "evaluation after training",
+}
+_EPS = 1e-9
+
+
+class PlacementError(InputError):
+    """The run's actors cannot all be placed on the nodes it has."""
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One actor's request, and the phases it is up in."""
+
+    name: str
+    cpus: float
+    gpus: float
+    custom: Mapping[str, float]
+    phases: tuple[str, ...]
+    share: str | None = None
+    """Asks with the same ``share`` go on one GPU together (the scorer and generator 0)."""
+
+
+@dataclass
+class Node:
+    """A node's resources (a kind of node the autoscaler may add is listed once per node
+    it may add)."""
+
+    name: str
+    cpus: float
+    gpus: int
+    custom: dict[str, float] = field(default_factory=dict)
+    free_cpus: float = 0.0
+    free_gpus: list[float] = field(default_factory=list)
+    free_custom: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.free_cpus = self.cpus
+        self.free_gpus = [1.0] * self.gpus
+        self.free_custom = dict(self.custom)
+
+
+@dataclass(frozen=True)
+class Spot:
+    """Where an ask went: a node, and a share of each GPU it holds."""
+
+    node: int
+    gpus: tuple[tuple[int, float], ...]
+
+
+@dataclass
+class Placement:
+    """Every ask's spot, and the most held at once."""
+
+    nodes: list[Node]
+    asks: list[Ask]
+    spots: dict[str, Spot]
+    peak: dict[str, tuple[float, str]]
+    """resource -> (most held at once, the phase that holds it)."""
+    source: str
+
+    def table(self) -> str:
+        """The plan: one line per actor (grouped where several of one kind sit alike)."""
+        total_gpus = sum(n.gpus for n in self.nodes)
+        used = sorted({self.spots[a.name].node for a in self.asks})
+        lines = [
+            f"placement ({self.source}; {len(used)} of {len(self.nodes)} node(s) used, "
+            f"{total_gpus} GPU(s)):",
+            f"  {'actor':<26} {'node':<18} {'GPU':<14} {'CPU':>5}  up",
+        ]
+        for ask in self.asks:
+            spot = self.spots[ask.name]
+            gpus = ", ".join(
+                f"{i}" if share >= 1 - _EPS else f"{i} ({share:g})" for i, share in spot.gpus
+            )
+            lines.append(
+                f"  {ask.name:<26} {self.nodes[spot.node].name:<18} {gpus or '-':<14} "
+                f"{ask.cpus:>5g}  {_phases(ask.phases)}"
+            )
+        peaks = ", ".join(
+            f"{amount:g} {name} ({TITLES[phase]})" for name, (amount, phase) in self.peak.items()
+        )
+        lines.append(f"  most held at once: {peaks}")
+        return "\n".join(lines)
+
+
+_SHORT = {"base": "base eval", "warm_start": "warm-start", "eval_before": "eval before",
+          "training": "training", "eval_after": "eval after"}  # fmt: skip
+
+
+def _phases(phases: Sequence[str]) -> str:
+    if tuple(phases) == PHASES:
+        return "the whole run"
+    names = [_SHORT[p] for p in phases]
+    at = [PHASES.index(p) for p in phases]
+    if len(names) > 1 and at == list(range(at[0], at[0] + len(at))):
+        return f"{names[0]} -> {names[-1]}"
+    return ", ".join(names)
+
+
+def scorer_shares_gpu(res: Any) -> bool:
+    """Whether the info-gain scorer shares generator 0's GPU: a scorer GPU share below 1
+    beside generators of one GPU each."""
+    share = res.scorer_gpus
+    return share is not None and 0 < share < 1 and res.generator_gpus == 1
+
+
+def run_asks(cfg: Any, services: set[str]) -> list[Ask]:
+    """What each actor of the run ``cfg`` asks for, and when it is up (``services``: the
+    plan's, ``{"judge", "scorer"}`` or fewer)."""
+    res, ev, ws = cfg.resources, cfg.eval, cfg.warm_start
+    asks: list[Ask] = []
+    if not cfg.retriever.url:
+        for i in range(res.retriever_replicas):
+            name = "retriever" if res.retriever_replicas == 1 else f"retriever {i}"
+            asks.append(
+                Ask(name, res.retriever_cpus, res.retriever_gpus, res.custom("service"), PHASES)
+            )
+    if ev.enabled and ws.enabled and ev.before_warm_start:
+        asks.append(Ask("evaluation (base policy)", res.eval_cpus, res.generator_gpus,
+                        res.custom("generator"), ("base",)))  # fmt: skip
+    if ws.enabled:
+        asks.append(Ask("warm-start", res.learner_cpus, float(res.use_gpu),
+                        res.custom("learner"), ("warm_start",)))  # fmt: skip
+    after = ("eval_before", "training", "eval_after")
+    for i in range(res.learner_workers):
+        asks.append(Ask(f"learner {i}", res.learner_cpus, float(res.use_gpu),
+                        res.custom("learner"), after))  # fmt: skip
+    if "judge" in services and cfg.judge.backend != "evidence":
+        for i in range(cfg.judge.num_actors):
+            asks.append(Ask(f"judge {i}", res.judge_cpus, 0.0, res.custom("service"),
+                            ("training", "eval_after")))  # fmt: skip
+    on_training = ev.enabled and ev.generators == "training"
+    gen_phases = after if on_training else ("training",)
+    shares = "scorer" in services and scorer_shares_gpu(res)
+    if "scorer" in services:
+        gpus = res.generator_gpus if res.scorer_gpus is None else res.scorer_gpus
+        custom = {} if shares else res.custom("generator")  # it rides in generator 0's
+        asks.append(Ask("info-gain scorer", res.generator_cpus, gpus, custom,
+                        gen_phases[:2] if on_training else ("training",),
+                        share="gen0" if shares else None))  # fmt: skip
+    for i in range(res.num_generators):
+        gpus = res.generator_gpus
+        if shares and i == 0:
+            gpus = res.generator_gpus - res.scorer_gpus
+        asks.append(Ask(f"generator {i}", res.generator_cpus, gpus, res.custom("generator"),
+                        gen_phases, share="gen0" if shares and i == 0 else None))  # fmt: skip
+    if ev.enabled and not on_training:
+        asks.append(Ask("evaluation generator", res.eval_cpus, res.generator_gpus,
+                        res.custom("generator"), ("eval_before", "eval_after")))  # fmt: skip
+    return asks
+
+
+def place(asks: Sequence[Ask], nodes: Sequence[Node], source: str) -> Placement:
+    """Pack ``asks`` on ``nodes`` phase by phase (module docstring); raises
+    :class:`PlacementError` with the arithmetic when a phase cannot fit."""
+    nodes = [Node(n.name, n.cpus, n.gpus, dict(n.custom)) for n in nodes]  # fresh free counts
+    spots: dict[str, Spot] = {}  # where each ask is up now
+    shown: dict[str, Spot] = {}  # where each went first (the table's)
+    peak: dict[str, tuple[float, str]] = {}
+    for phase in PHASES:
+        for ask in asks:  # those not up in this phase give back what they held
+            if ask.name in spots and phase not in ask.phases:
+                _release(nodes[spots[ask.name].node], ask, spots.pop(ask.name))
+        new = [a for a in asks if phase in a.phases and a.name not in spots]
+        if not any(phase in a.phases for a in asks):
+            continue
+        _check_totals(asks, nodes, phase)
+        for unit in _units(new):
+            _place_unit(unit, nodes, spots, phase)
+        for name, spot in spots.items():
+            shown.setdefault(name, spot)
+        held = held_in(asks, phase)
+        for name, amount in held.items():
+            if amount > peak.get(name, (0.0, ""))[0] + _EPS:
+                peak[name] = (amount, phase)
+    return Placement(nodes, list(asks), shown, peak, source)
+
+
+def held_in(asks: Sequence[Ask], phase: str) -> dict[str, float]:
+    """Each resource the asks up in ``phase`` hold together."""
+    held: dict[str, float] = {}
+    for ask in asks:
+        if phase in ask.phases:
+            for name, amount in {"CPU": ask.cpus, "GPU": ask.gpus, **ask.custom}.items():
+                if amount:
+                    held[name] = held.get(name, 0.0) + amount
+    return held
+
+
+def _check_totals(asks: Sequence[Ask], nodes: Sequence[Node], phase: str) -> None:
+    """The phase's sum of each resource against the nodes' sum, with the sum written out."""
+    have: dict[str, float] = {"CPU": sum(n.cpus for n in nodes), "GPU": sum(n.gpus for n in nodes)}
+    for n in nodes:
+        for name, amount in n.custom.items():
+            have[name] = have.get(name, 0.0) + amount
+    for name, amount in held_in(asks, phase).items():
+        if amount > have.get(name, 0.0) + _EPS:
+            terms = _terms(asks, phase, name)
+            raise PlacementError(
+                f"{TITLES[phase]} needs {amount:g} {name} at once: {terms} = {amount:g}; the "
+                f"nodes have {have.get(name, 0.0):g} ({_describe(nodes, name)}). "
+                + _advice(name, asks)
+            )
+
+
+def _terms(asks: Sequence[Ask], phase: str, name: str) -> str:
+    """``4 generators x 1 + learner x 1 ...`` for one resource of one phase."""
+    groups: dict[tuple[str, float], int] = {}
+    for ask in asks:
+        if phase not in ask.phases:
+            continue
+        amount = {"CPU": ask.cpus, "GPU": ask.gpus, **ask.custom}.get(name, 0.0)
+        if amount:
+            kind = ask.name.rsplit(" ", 1)[0] if ask.name[-1].isdigit() else ask.name
+            groups[(kind, amount)] = groups.get((kind, amount), 0) + 1
+    return " + ".join(
+        f"{count} {kind}{'s' if count > 1 and not kind.endswith('s') else ''} x {amount:g}"
+        for (kind, amount), count in groups.items()
+    )
+
+
+def _describe(nodes: Sequence[Node], name: str) -> str:
+    counts: dict[tuple[str, float], int] = {}
+    for n in nodes:
+        amount = {"CPU": n.cpus, "GPU": float(n.gpus), **n.custom}.get(name, 0.0)
+        kind = n.name.rsplit("#", 1)[0]
+        counts[(kind, amount)] = counts.get((kind, amount), 0) + 1
+    return ", ".join(f"{c} x {kind} with {a:g}" for (kind, a), c in counts.items())
+
+
+def _advice(name: str, asks: Sequence[Ask]) -> str:
+    if name == "GPU":
+        scorer = any(a.name == "info-gain scorer" and a.share is None for a in asks)
+        return (
+            "Lower --resources.num_generators or --resources.learner_workers"
+            + (", or let the scorer share generator 0's GPU: --resources.scorer_gpus 0.25"
+               if scorer else "")
+            + "; a local run takes the machine's GPUs (--resources.local_gpus N for logical ones)"
+        )  # fmt: skip
+    if name == "CPU":
+        return (
+            "Lower --resources.*_cpus (generator_cpus, learner_cpus, retriever_cpus, "
+            "eval_cpus), or give a local run more logical CPUs: --resources.local_cpus N"
+        )
+    return (
+        f"No node offers enough '{name}': unset the custom resource (--resources.*_resource "
+        "none) or add the node type that has it"
+    )
+
+
+def _units(new: Sequence[Ask]) -> list[list[Ask]]:
+    """The asks to place, asks that share a GPU together, most GPU first, then most CPU."""
+    groups: dict[str, list[Ask]] = {}
+    units: list[list[Ask]] = []
+    for ask in new:
+        if ask.share is None:
+            units.append([ask])
+        else:
+            if ask.share not in groups:
+                groups[ask.share] = []
+                units.append(groups[ask.share])
+            groups[ask.share].append(ask)
+    return sorted(units, key=lambda u: (-sum(a.gpus for a in u), -sum(a.cpus for a in u)))
+
+
+def _place_unit(unit: list[Ask], nodes: list[Node], spots: dict[str, Spot], phase: str) -> None:
+    cpus = sum(a.cpus for a in unit)
+    gpus = sum(a.gpus for a in unit)
+    custom: dict[str, float] = {}
+    for a in unit:
+        for name, amount in a.custom.items():
+            custom[name] = custom.get(name, 0.0) + amount
+    for i, node in enumerate(nodes):
+        if node.free_cpus + _EPS < cpus:
+            continue
+        if any(node.free_custom.get(k, 0.0) + _EPS < v for k, v in custom.items()):
+            continue
+        chosen = _gpus_on(node, gpus)
+        if chosen is None:
+            continue
+        node.free_cpus -= cpus
+        for k, v in custom.items():
+            node.free_custom[k] -= v
+        if len(unit) == 1:
+            for g, share in chosen:
+                node.free_gpus[g] -= share
+            spots[unit[0].name] = Spot(i, chosen)
+        else:  # asks sharing one GPU: each its share of it
+            ((g, _),) = chosen if chosen else ((None, 0),)
+            for a in unit:
+                if g is not None:
+                    node.free_gpus[g] -= a.gpus
+                spots[a.name] = Spot(i, ((g, a.gpus),) if g is not None else ())
+        return
+    names = " and ".join(a.name for a in unit)
+    free = "; ".join(
+        f"{n.name}: {n.free_cpus:g} CPU, GPUs free {[round(f, 3) for f in n.free_gpus]}"
+        + "".join(f", {k} {v:g}" for k, v in n.free_custom.items())
+        for n in nodes
+    )
+    raise PlacementError(
+        f"{TITLES[phase]}: no node can hold {names} ({gpus:g} GPU, {cpus:g} CPU"
+        + "".join(f", {k} {v:g}" for k, v in custom.items())
+        + f") once the actors before it are placed; free then: {free}. A GPU is not split "
+        "across nodes, and an ask above 1 GPU takes whole GPUs of one node"
+    )
+
+
+def _gpus_on(node: Node, gpus: float) -> tuple[tuple[int, float], ...] | None:
+    """The GPUs of ``node`` an ask of ``gpus`` takes: whole free ones, or the fullest GPU
+    with room for a fraction; None if it cannot."""
+    if gpus <= _EPS:
+        return ()
+    if gpus >= 1 - _EPS:
+        whole = [g for g, free in enumerate(node.free_gpus) if free >= 1 - _EPS]
+        need = math.ceil(gpus - _EPS)
+        return tuple((g, 1.0) for g in whole[:need]) if len(whole) >= need else None
+    fits = [(free, g) for g, free in enumerate(node.free_gpus) if free + _EPS >= gpus]
+    if not fits:
+        return None
+    _, g = min(fits)
+    return ((g, gpus),)
+
+
+def _release(node: Node, ask: Ask, spot: Spot) -> None:
+    node.free_cpus += ask.cpus
+    for g, share in spot.gpus:
+        node.free_gpus[g] += share
+    for k, v in ask.custom.items():
+        node.free_custom[k] += v
+
+
+def local_nodes(res: Any, cpus: int) -> list[Node]:
+    """The one node of a local Ray this script starts: ``cpus`` logical CPUs and
+    ``resources.local_gpus`` GPUs (None: the machine's, counted as Ray counts them, from
+    CUDA_VISIBLE_DEVICES or the driver, with no CUDA call)."""
+    gpus = res.local_gpus if res.local_gpus is not None else detected_gpus()
+    return [Node("this machine", float(cpus), gpus)]  # a local Ray has no custom resources
+
+
+def detected_gpus() -> int:
+    """The GPUs Ray would give a local cluster on this machine (no CUDA context made)."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        manager = get_accelerator_manager_for_resource("GPU")
+        visible = manager.get_current_process_visible_accelerator_ids()
+        count = manager.get_current_node_num_accelerators()
+        return min(count, len(visible)) if visible is not None else count
+    except Exception:  # no driver, no library: no GPUs
+        return 0
+
+
+def cluster_nodes(res: Any, live: Sequence[Mapping[str, Any]]) -> tuple[list[Node], str]:
+    """The nodes a run on a cluster is placed against: the node types of
+    ``resources.cluster_config`` (else ``~/ray_bootstrap_config.yaml``, which ``ray up``
+    leaves on the head), each as many times as the autoscaler may start it; else the
+    ``live`` nodes (``ray.nodes()``) as they are now."""
+    path = res.cluster_config
+    if path is None:
+        default = Path(os.path.expanduser("~/ray_bootstrap_config.yaml"))
+        path = str(default) if default.is_file() else None
+    if path is not None:
+        return nodes_of_cluster_yaml(path), f"the node types of {path}"
+    nodes = []
+    for i, n in enumerate(n for n in live if n.get("Alive", n.get("alive", True))):
+        total = dict(n.get("Resources") or {})
+        custom = {k: v for k, v in total.items() if k not in ("CPU", "GPU", "memory",
+                  "object_store_memory") and not k.startswith(("node:", "accelerator_type"))}  # fmt: skip
+        nodes.append(Node(f"node {i}", total.get("CPU", 0.0), int(total.get("GPU", 0)), custom))
+    return nodes, "the cluster's nodes up now (an autoscaler may add others)"
+
+
+def nodes_of_cluster_yaml(path: str) -> list[Node]:
+    """Every node a cluster launcher YAML lets the autoscaler run: the head, and each
+    worker type up to its max_workers (and the file's max_workers in all)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        types = config["available_node_types"]
+        head = config["head_node_type"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
+        raise InputError(
+            f"resources.cluster_config={path!r}: not a cluster launcher YAML with "
+            f"available_node_types and head_node_type ({type(err).__name__}: {err})"
+        ) from None
+    budget = int(config.get("max_workers", 1 << 30))
+    nodes = [_yaml_node(head, types[head], 0)]
+    for name, spec in types.items():
+        if name == head:
+            continue
+        count = min(int(spec.get("max_workers", 0)), budget)
+        nodes += [_yaml_node(name, spec, i) for i in range(count)]
+    return nodes
+
+
+def _yaml_node(name: str, spec: Mapping[str, Any], i: int) -> Node:
+    resources = dict(spec.get("resources") or {})
+    custom = {k: float(v) for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
+    return Node(f"{name}#{i}", float(resources.get("CPU", 0)), int(resources.get("GPU", 0)), custom)
+
+
+# Filesystems every node of a cluster may mount as one (a local path on one is shared).
+_SHARED_FS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+              "efs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "fuse.mountpoint-s3")  # fmt: skip
+
+
+def filesystem_of(path: str) -> str | None:
+    """The type of the filesystem ``path`` (or its nearest existing parent) is on, from
+    /proc/mounts (None where that cannot be read)."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    target = Path(path).expanduser().resolve()
+    best, kind = -1, None
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (target == Path(point) or Path(point) in target.parents) and len(point) > best:
+            best, kind = len(point), fields[2]
+    return kind
+
+
+def check_storage(placement: Placement, cfg: Any) -> None:
+    """A run whose actors span several nodes writes its checkpoints (and the warm-start's
+    folder) from the learner's node and reads them from others: refuse, before any actor
+    starts, a storage location that is a local path on a disk of one node."""
+    used = {placement.spots[a.name].node for a in placement.asks}
+    if len(used) < 2:
+        return
+    where = getattr(cfg, "storage_path", None)
+    what = "storage_path" if where is not None else "output_dir (storage_path is not set)"
+    location = where if where is not None else getattr(cfg, "output_dir", None)
+    if location is None or "://" in location and not location.startswith("file://"):
+        return  # a bucket (s3://, gs://, hdfs://...): every node reaches it
+    path = location.removeprefix("file://")
+    kind = filesystem_of(path)
+    if kind is not None and (kind in _SHARED_FS or kind.startswith("fuse.")):
+        return
+    raise InputError(
+        f"this run's actors span {len(used)} nodes, and its checkpoints go to {what} "
+        f"{location!r}, a folder on this node's own disk ({kind or 'filesystem unknown'}): "
+        "the learner would write them on another node's. Give a bucket every node "
+        "writes, --storage_path s3://BUCKET/runs (gs://, hdfs:// alike), or a folder on a "
+        "filesystem every node mounts (NFS, EFS, Lustre)"
+    )
