@@ -13,7 +13,9 @@ and seed) with
 * ``vllm``: vLLM's engine (its CPU build here), prefix caching on (its default);
 
 each after a warm-up call (engine start and first forwards are reported apart, as
-``startup_seconds``). For each: generated tokens/s (sampled tokens only: prompts and
+``startup_seconds``). For vLLM, one turn of the generator is also timed against the
+engine's own ``LLM.generate`` on the same prompts and sampling settings
+(``vs_raw_llm_generate``: best of 3 each; the ratio is the generator's overhead). For each: generated tokens/s (sampled tokens only: prompts and
 observations are fed, not generated), trajectories/s, the share of time in retrieval,
 encoded and reused prompt tokens, the rollout's own counters, and the seconds to load a
 full state dict as a weight update. Samples differ between backends (different random
@@ -107,6 +109,10 @@ def main() -> int:
         generator.update_weights(1, state)
         runs[label]["weight_update_seconds"] = time.perf_counter() - start
         runs[label]["startup_seconds"] = startup
+        if label == "vllm":  # one turn of the generator against the engine's own generate
+            one_turn = Generator(args.model, retriever, replace(config, max_turns=1),
+                                 sampler=generator.sampler)  # fmt: skip
+            runs[label]["vs_raw_llm_generate"] = generator_vs_raw(one_turn, questions)
         print(f"--- {label}")
         for key, value in runs[label].items():
             print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")
@@ -132,6 +138,48 @@ def main() -> int:
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0
+
+
+def generator_vs_raw(generator, questions, *, repeats: int = 3) -> dict:
+    """Generated tokens/s of ``generator.generate`` (a vLLM generator, one turn: its
+    config's max_turns must be 1) against its own engine's ``LLM.generate`` on the same
+    prompt ids, sampling settings, stop strings and behaviour log-probs, best of
+    ``repeats`` each, alternating; ``ratio`` is the generator's over the raw engine's."""
+    import vllm
+
+    from ray_credit.actors.generator import _STYLES
+
+    cfg = generator.config
+    if cfg.backend != "vllm" or cfg.max_turns != 1:
+        raise ValueError("generator_vs_raw compares one turn of a vLLM generator")
+    stop = list(_STYLES[cfg.action_style][0])
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=generator.prompt_ids(q["question"]))
+               for q in questions for _ in range(cfg.group_size)]  # fmt: skip
+    params = [
+        vllm.SamplingParams(
+            n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            max_tokens=cfg.max_new_tokens, stop=stop, include_stop_str_in_output=True,
+            logprobs=0, seed=i,
+        )
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    llm = generator.sampler.llm
+    best = {"generator": 0.0, "raw": 0.0}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        batch = generator.generate(questions)
+        rate = batch.metrics["gen/generated_tokens"] / (time.perf_counter() - start)
+        best["generator"] = max(best["generator"], rate)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        best["raw"] = max(best["raw"], tokens / (time.perf_counter() - start))
+    return {
+        "trajectories": len(prompts),
+        "generator_tokens_per_s": best["generator"],
+        "raw_tokens_per_s": best["raw"],
+        "ratio": best["generator"] / best["raw"],
+    }
 
 
 def _summary(batch, seconds: float) -> dict:

@@ -334,16 +334,17 @@ def _settle(call: LearnerCall, timeout_s: float) -> Any:
 
 
 def _worker_bundle(resources: Mapping[str, float] | None, *, use_gpu: bool) -> dict[str, float]:
-    """What one worker reserves: one CPU unless told, one GPU with ``use_gpu``, and the
-    custom resources asked for."""
+    """What one worker reserves: one CPU unless told, one GPU with ``use_gpu`` (or a
+    share of one, for a single worker beside a generator), and the custom resources asked
+    for."""
     bundle = {"CPU": 1.0, **(resources or {})}
     gpus = bundle.pop("GPU", 1 if use_gpu else 0)
-    if gpus != (1 if use_gpu else 0):
+    if (use_gpu and not 0 < gpus <= 1) or (not use_gpu and gpus):
         raise ValueError(
-            f"a learner worker drives one GPU with use_gpu=True and none without; "
-            f"resources_per_worker asks for GPU={gpus} with use_gpu={use_gpu}"
+            f"a learner worker drives one GPU (or a share of one) with use_gpu=True and none "
+            f"without; resources_per_worker asks for GPU={gpus} with use_gpu={use_gpu}"
         )
-    return {**bundle, "GPU": 1.0} if use_gpu else bundle
+    return {**bundle, "GPU": float(gpus)} if use_gpu else bundle
 
 
 def _reserve(

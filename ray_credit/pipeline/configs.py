@@ -246,6 +246,9 @@ class ResourcesConfig:
     gradients and optimizer state sharded over the workers)."""
     use_gpu: bool = False
     """Train on GPUs (one per learner replica)."""
+    learner_gpus: float = 1.0
+    """With use_gpu: the GPUs of each learner replica: 1, or a share of one for a single
+    replica that shares its GPU with a generator (a one-GPU machine)."""
     retriever_cpus: float = 0.25
     """CPUs of the retriever actor."""
     retriever_gpus: float = 0.0
@@ -263,6 +266,9 @@ class ResourcesConfig:
     """GPUs of the info-gain scorer (IGPO, A²TGPO). None: as a generator's. A share below 1
     beside whole-GPU generators puts it on generator 0's GPU: both start in one bundle of
     that GPU, generator 0 asking (and its vLLM engine using) the rest."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU, for the estimate printed before Ray starts (None: what
+    nvidia-smi reports on this machine; a cluster's head may have no GPU to ask)."""
     local_gpus: int | None = None
     """GPUs of a local Ray started by the script (None: the machine's, as Ray counts them).
     Logical: more than the machine has lets a plan be placed and tried without them."""
@@ -306,6 +312,22 @@ class ResourcesConfig:
             raise ValueError(
                 f"resources.scorer_gpus must be a finite number >= 0, or null for a "
                 f"generator's, got {self.scorer_gpus}"
+            )
+        if not 0 < self.learner_gpus <= 1:
+            raise ValueError(
+                f"resources.learner_gpus must be in (0, 1]: a learner replica drives one GPU, "
+                f"or a share of one; got {self.learner_gpus}"
+            )
+        if self.learner_gpus < 1 and self.learner_workers > 1:
+            raise ValueError(
+                f"resources.learner_gpus={self.learner_gpus:g} shares a GPU, which "
+                f"{self.learner_workers} data-parallel replicas cannot do (each drives its "
+                "own device): use learner_gpus 1, or one learner_workers"
+            )
+        if self.gpu_memory_gb is not None and not 0 < self.gpu_memory_gb < math.inf:
+            raise ValueError(
+                f"resources.gpu_memory_gb must be a size in GB > 0, or null for nvidia-smi's, "
+                f"got {self.gpu_memory_gb}"
             )
         if self.local_gpus is not None and self.local_gpus < 0:
             raise ValueError(

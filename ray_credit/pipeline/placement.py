@@ -170,11 +170,11 @@ def run_asks(cfg: Any, services: set[str]) -> list[Ask]:
         asks.append(Ask("evaluation (base policy)", res.eval_cpus, res.generator_gpus,
                         res.custom("generator"), ("base",)))  # fmt: skip
     if ws.enabled:
-        asks.append(Ask("warm-start", res.learner_cpus, float(res.use_gpu),
+        asks.append(Ask("warm-start", res.learner_cpus, res.learner_gpus * res.use_gpu,
                         res.custom("learner"), ("warm_start",)))  # fmt: skip
     after = ("eval_before", "training", "eval_after")
     for i in range(res.learner_workers):
-        asks.append(Ask(f"learner {i}", res.learner_cpus, float(res.use_gpu),
+        asks.append(Ask(f"learner {i}", res.learner_cpus, res.learner_gpus * res.use_gpu,
                         res.custom("learner"), after))  # fmt: skip
     if "judge" in services and cfg.judge.backend != "evidence":
         for i in range(cfg.judge.num_actors):

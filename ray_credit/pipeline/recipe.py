@@ -30,6 +30,7 @@ from typing import Any
 from ray_credit.config import check_config
 from ray_credit.log import log, setup_logging
 from ray_credit.pipeline.evaluation import eval_metrics, evaluate_policy, report_change
+from ray_credit.pipeline.memory import report_memory
 from ray_credit.pipeline.outputs import RunOutputs
 from ray_credit.pipeline.placement import run_asks
 from ray_credit.pipeline.plan import make_plan
@@ -90,6 +91,7 @@ def train(
     for departure in plan.departures:
         log.info(f"note: departs from {plan.estimator.name}'s recipe: {departure}")
     preflight(cfg, rl_q)
+    report_memory(cfg, plan.services)  # per GPU, estimated; a warning where it will not fit
     if cfg.resume is not None:  # the newest whole checkpoint in the folder given
         cfg = replace(cfg, resume=str(check_resume_folder(cfg.resume)))
     resumed_step = outputs.resume(cfg.resume)
@@ -194,7 +196,7 @@ def _warm_start(
     folder = ws.folder or str(outputs.shared / "warm_start")
     task = ray.remote(warm_start).options(
         num_cpus=res.learner_cpus,
-        num_gpus=1 if res.use_gpu else 0,
+        num_gpus=res.learner_gpus if res.use_gpu else 0,
         resources=res.custom("learner"),
     )
     t0 = time.perf_counter()

@@ -332,7 +332,7 @@ def make_learner(cfg: Any):
         use_gpu=res.use_gpu,
         resources_per_worker={
             "CPU": res.learner_cpus,
-            **({"GPU": 1} if res.use_gpu else {}),
+            **({"GPU": res.learner_gpus} if res.use_gpu else {}),
             **res.custom("learner"),
         },
         resume_from=None if cfg.resume is None else StoragePath(cfg.resume) / "learner",

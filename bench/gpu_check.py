@@ -1,0 +1,297 @@
+"""The GPU code paths, checked and timed on one CUDA machine in one command (about 5
+minutes on one H100), one table at the end:
+
+    python bench/gpu_check.py                 # every check; JSON in bench/results/gpu_check.json
+    python bench/gpu_check.py --only faiss,learner
+    python bench/gpu_check.py --dry-run       # everything up to the first CUDA call (CPU)
+
+* ``vllm``: vLLM's engine on CUDA (float32) rolls out SmolLM2 over the synthetic world;
+  its behaviour log-probs against a teacher-forced float32 forward of the same weights
+  (max |difference|), then a weight update in place (seconds) and the same comparison on
+  the updated weights;
+* ``raw``: the generator's tokens/s against vLLM's own ``LLM.generate`` on the same
+  prompts, sampling settings and engine (one turn each, best of 3), as a ratio;
+* ``learner``: one update of SmolLM2 in bf16 autocast by a one-worker learner group, DDP
+  and FSDP2 (seconds, trained tokens/s, loss);
+* ``faiss``: faiss-gpu against faiss-cpu on one flat index (the same top hits, queries/s
+  each);
+* ``pipeline``: ``pipelines/tspo.py`` for 3 steps on one GPU (SmolLM2 learner and a vLLM
+  generator sharing it), through its checkpoint.
+
+A check that fails is reported as failed with its error and the others still run; the
+exit status says whether all passed. ``--dry-run`` builds every check's settings and
+imports what each needs, and stops before the first CUDA call (CI runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
+
+from ray_credit.actors.generator import GeneratorConfig  # noqa: E402
+from ray_credit.actors.learner import LearnerConfig  # noqa: E402
+from ray_credit.actors.sampling import VLLMConfig  # noqa: E402
+from ray_credit.data import WorldConfig, make_world  # noqa: E402
+
+CHECKS = ("vllm", "raw", "learner", "faiss", "pipeline")
+NEEDS = {"vllm": ["vllm"], "raw": ["vllm"], "learner": ["torch"], "faiss": ["faiss"],
+         "pipeline": ["vllm", "ray"]}  # fmt: skip
+MODEL = "smollm2-135m"
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """Every check's settings, built before anything touches CUDA."""
+    gen = GeneratorConfig(
+        backend="vllm", dtype="float32", group_size=4, max_turns=2, max_new_tokens=48,
+        temperature=1.0, prompt_template="search_tags_fewshot", response_prefix="<search>",
+        vllm=VLLMConfig(gpu_memory_utilization=0.3), seed=1,
+    )  # fmt: skip
+    return {
+        "generator": gen,
+        "raw": replace(gen, max_turns=1, group_size=8, max_new_tokens=args.raw_tokens),
+        "learner": LearnerConfig(lr=1e-5, autocast="bfloat16", micro_batch_tokens=8192),
+        "faiss": {"docs": args.faiss_docs, "dim": 384, "queries": 1024, "k": 3},
+        "pipeline": [
+            sys.executable,
+            str(ROOT / "pipelines" / "tspo.py"),
+            "--name",
+            "gpu-check",
+            "--model",
+            MODEL,
+            "--pipeline.steps",
+            "3",
+            "--pipeline.groups_per_step",
+            "4",
+            "--pipeline.checkpoint_every",
+            "3",
+            "--data.eval_questions",
+            "8",
+            "--warm_start.questions",
+            "24",
+            "--warm_start.epochs",
+            "1",
+            "--wandb",
+            "disabled",
+            "--generator.backend",
+            "vllm",
+            "--generator.dtype",
+            "bfloat16",
+            "--generator.vllm.gpu_memory_utilization",
+            "0.3",
+            "--resources.use_gpu",
+            "true",
+            "--resources.learner_gpus",
+            "0.5",
+            "--resources.generator_gpus",
+            "0.4",
+            "--resources.local_gpus",
+            "1",
+        ],  # fmt: skip
+    }
+
+
+def check_vllm(cfg: dict, out: dict) -> None:
+    import numpy as np
+    import torch
+
+    from ray_credit.actors.generator import Generator
+    from ray_credit.actors.retriever import Retriever
+    from ray_credit.models import load_model
+
+    world = make_world(WorldConfig(seed=0))
+    retriever = Retriever.create(world.corpus)
+    t0 = time.perf_counter()
+    generator = Generator(MODEL, retriever, cfg["generator"])
+    out["engine_start_s"] = time.perf_counter() - t0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, _ = load_model(MODEL, device="cuda")
+
+    def worst(batch) -> float:
+        gap = 0.0
+        for row in batch.to_records():
+            ids = torch.tensor(row["input_ids"], device="cuda")[None]
+            with torch.inference_mode():
+                logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            forced = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
+            mask = np.array(row["loss_mask"][1:]) == 1
+            behavior = np.array(row["behavior_logprobs"][1:])
+            gap = max(gap, float(np.abs(forced[mask] - behavior[mask]).max()))
+        return gap
+
+    questions = world.questions[:4]
+    out["logprob_gap"] = worst(generator.generate(questions))
+    with torch.no_grad():  # new weights: every parameter moved a little
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    t0 = time.perf_counter()
+    generator.update_weights(1, state)
+    out["weight_update_s"] = time.perf_counter() - t0
+    out["logprob_gap_after_update"] = worst(generator.generate(questions))
+    out["ok"] = out["logprob_gap"] < 2e-3 and out["logprob_gap_after_update"] < 2e-3
+
+
+def check_raw(cfg: dict, out: dict) -> None:
+    from rollout import generator_vs_raw  # bench/rollout.py
+
+    from ray_credit.actors.generator import Generator
+    from ray_credit.actors.retriever import Retriever
+
+    world = make_world(WorldConfig(seed=0))
+    generator = Generator(MODEL, Retriever.create(world.corpus), cfg["raw"])
+    out.update(generator_vs_raw(generator, world.questions[:32]))
+    out["ok"] = out["ratio"] > 0
+
+
+def check_learner(cfg: dict, out: dict) -> None:
+    import ray
+    import torch
+
+    from ray_credit.actors.generator import Generator
+    from ray_credit.actors.learner_group import LearnerGroup
+    from ray_credit.actors.retriever import Retriever
+    from ray_credit.estimators import get_estimator
+
+    world = make_world(WorldConfig(seed=0))
+    gen = replace(cfg["generator"], backend="transformers", dtype="bfloat16")
+    batch = Generator(MODEL, Retriever.create(world.corpus), gen).generate(world.questions[:16])
+    batch = get_estimator("grpo")(batch)
+    tokens = int(sum(len(r["input_ids"]) for r in batch.to_records()))
+    ray.init(num_gpus=torch.cuda.device_count(), include_dashboard=False, ignore_reinit_error=True)
+    for strategy in ("ddp", "fsdp"):
+        group = LearnerGroup(MODEL, cfg["learner"], num_workers=1, use_gpu=True,
+                             resources_per_worker={"CPU": 1, "GPU": 1}, strategy=strategy)  # fmt: skip
+        group.train(batch)  # the first step compiles kernels and allocates the state
+        t0 = time.perf_counter()
+        metrics = group.train(batch)
+        seconds = time.perf_counter() - t0
+        out[f"{strategy}_step_s"] = seconds
+        out[f"{strategy}_tokens_per_s"] = tokens / seconds
+        out[f"{strategy}_loss"] = metrics.get("learner/loss")
+        group.shutdown()
+    ray.shutdown()
+    out["ok"] = all(out.get(f"{s}_loss") is not None for s in ("ddp", "fsdp"))
+
+
+def check_faiss(cfg: dict, out: dict) -> None:
+    import faiss
+    import numpy as np
+
+    spec = cfg["faiss"]
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((spec["docs"], spec["dim"]), np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    queries = vectors[rng.choice(spec["docs"], spec["queries"], replace=False)] + 0.05
+    cpu = faiss.IndexFlatIP(spec["dim"])
+    cpu.add(vectors)
+    gpu = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, cpu)
+    timings = {}
+    hits = {}
+    for name, index in (("cpu", cpu), ("gpu", gpu)):
+        index.search(queries[:8], spec["k"])  # warm-up
+        t0 = time.perf_counter()
+        _, hits[name] = index.search(queries, spec["k"])
+        timings[name] = time.perf_counter() - t0
+    out["same_top1"] = float((hits["cpu"][:, 0] == hits["gpu"][:, 0]).mean())
+    out["cpu_queries_per_s"] = spec["queries"] / timings["cpu"]
+    out["gpu_queries_per_s"] = spec["queries"] / timings["gpu"]
+    out["gpu_over_cpu"] = timings["cpu"] / timings["gpu"]
+    out["ok"] = out["same_top1"] > 0.99
+
+
+def check_pipeline(cfg: dict, out: dict) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        run = subprocess.run([*cfg["pipeline"], "--output_dir", tmp], capture_output=True,
+                             text=True, cwd=ROOT, timeout=420)  # fmt: skip
+        out["seconds"] = time.perf_counter() - t0
+        if run.returncode != 0:
+            raise RuntimeError(f"tspo.py exited {run.returncode}: {run.stderr[-1500:]}")
+        summary = json.loads((Path(tmp) / "gpu-check" / "summary.json").read_text())
+    out["steps"] = summary["steps"]
+    out["eval_before"] = summary["eval_before"]["em"]
+    out["eval_after"] = summary["eval_after"]["em"]
+    out["ok"] = summary["steps"] == 3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dry-run", action="store_true", help="stop before the first CUDA call")
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"some of {CHECKS}")
+    parser.add_argument("--raw-tokens", type=int, default=128)
+    parser.add_argument("--faiss-docs", type=int, default=1_000_000)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_check.json")
+    args = parser.parse_args()
+    chosen = [c for c in args.only.split(",") if c]
+    unknown = sorted(set(chosen) - set(CHECKS))
+    if unknown:
+        parser.error(f"unknown checks {unknown}; choose from {CHECKS}")
+    cfg = settings(args)
+    missing = {c: [m for m in NEEDS[c] if importlib.util.find_spec(m) is None] for c in chosen}
+    if args.dry_run:
+        print(f"gpu_check dry run: {len(chosen)} checks set up, nothing run on a GPU")
+        for check in chosen:
+            need = ", ".join(missing[check]) or "nothing"
+            print(f"  {check:<9} settings built; missing here: {need}")
+        print(f"  pipeline command: {' '.join(cfg['pipeline'][1:])}")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device (--dry-run checks the setup on a CPU)")
+        return 2
+    card = torch.cuda.get_device_name(0)
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    for check in chosen:
+        out: dict = {}
+        t0 = time.perf_counter()
+        try:
+            if missing[check]:
+                raise ImportError(f"needs {missing[check]} installed")
+            globals()[f"check_{check}"](cfg, out)
+        except Exception as err:  # reported, and the other checks still run
+            out["ok"] = False
+            out["error"] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        out["check_s"] = time.perf_counter() - t0
+        results[check] = out
+        print(f"{check}: {out}", flush=True)
+    print(f"\nGPU check on {card} ({time.perf_counter() - started:.0f} s in all)")
+    print(f"{'check':<9} {'ok':<5} figures")
+    for check, out in results.items():
+        figures = ", ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in out.items()
+            if k not in ("ok", "error")
+        )
+        print(
+            f"{check:<9} {str(out['ok']):<5} {figures}{'; ' + out['error'] if 'error' in out else ''}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": " ".join(sys.argv), "card": card, "torch": torch.__version__,
+        "python": platform.python_version(), "cpus": os.cpu_count(), "results": results,
+    }, indent=2))  # fmt: skip
+    print(f"wrote {args.out}")
+    return 0 if all(out["ok"] for out in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

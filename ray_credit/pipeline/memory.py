@@ -1,0 +1,217 @@
+"""What each GPU of a run will hold, estimated before Ray starts.
+
+From the policy's ``config.json`` (a model folder's, or the Hugging Face cache's: nothing
+is downloaded) and the run's settings: a learner worker holds its share of the weights,
+gradients and AdamW state in ``learner.dtype`` (all of them, or 1/N under FSDP over N
+workers; with LoRA only the adapters train), the frozen reference of a KL loss, and its
+micro-batch's activations and float32 logits; a vLLM generator takes
+``gpu_memory_utilization`` of its GPU (its share of it, beside the scorer), the weights
+first and the KV cache the rest; the info-gain scorer holds the policy's weights. Each is
+an estimate (activations especially): it is printed as a table, and a GPU it will not
+fit gets a warning that says what to change. The GPU's memory is
+``resources.gpu_memory_gb``, else what ``nvidia-smi`` reports on this machine (no CUDA
+call), else unknown (no check).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray_credit.log import log
+
+__all__ = ["ModelShape", "estimate", "gpu_memory_gb", "model_shape", "report_memory"]
+
+GB = 1024**3
+_VLLM_OVERHEAD_GB = 2.0  # CUDA context, graphs and the sampler's buffers, per engine
+_LEARNER_OVERHEAD_GB = 1.0  # CUDA context and the allocator's slack, per worker
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a decoder-only transformer depends on."""
+
+    params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
+        text = config.get("text_config", config)  # multimodal configs nest the LM's
+        h, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
+        heads = int(text["num_attention_heads"])
+        kv = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or h // heads)
+        inter = int(text.get("intermediate_size") or 4 * h)
+        vocab = int(text["vocab_size"])
+        attention = h * heads * head_dim * 2 + h * kv * head_dim * 2  # q, o; k, v
+        per_layer = attention + 3 * h * inter + 2 * h  # gated MLP, two norms
+        tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        params = layers * per_layer + vocab * h * (1 if tied else 2) + h
+        return cls(params, layers, h, inter, vocab, kv, head_dim)
+
+
+def model_shape(model: str) -> ModelShape | None:
+    """The shape of ``model`` (a folder with config.json, or a hub id already in the
+    Hugging Face cache); None where its config cannot be read without a download."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:  # not an id the hub library takes
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        return ModelShape.from_config(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def gpu_memory_gb(res: Any) -> float | None:
+    """``resources.gpu_memory_gb``, else the smallest GPU ``nvidia-smi`` lists here."""
+    if getattr(res, "gpu_memory_gb", None) is not None:
+        return float(res.gpu_memory_gb)
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+        sizes = [float(line) / 1024 for line in out.split() if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(sizes) if sizes else None
+
+
+def _lora_params(shape: ModelShape, rank: int) -> int:
+    """Adapter parameters of rank ``rank`` on every linear layer of every block."""
+    h, kv, inter = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate
+    per_layer = rank * ((h + h) * 2 + (h + kv) * 2 + (h + inter) * 3)
+    return shape.layers * per_layer
+
+
+def estimate(
+    cfg: Any, shape: ModelShape, gpu_gb: float | None, services: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """One row per kind of GPU holder: its name, its parts in GB and their total, and the
+    GPU memory it has to fit in (None: unknown). ``services``: the plan's (with the
+    scorer on generator 0's GPU, generator 0 has the rest of it)."""
+    res, lr, gen = cfg.resources, cfg.learner, cfg.generator
+    rows = []
+    if res.use_gpu:
+        shards = res.learner_workers if res.learner_strategy == "fsdp" else 1
+        pbytes = _BYTES[lr.dtype]
+        weights = shape.params * pbytes / shards
+        if lr.lora.rank > 0:
+            trained = _lora_params(shape, lr.lora.rank) / shards
+            grads, adam, reference = trained * 4, trained * 8, 0.0  # float32 adapters
+        else:
+            grads, adam = weights, 2 * weights  # AdamW's two moments, in the weights' dtype
+            reference = weights if lr.kl_coef > 0 else 0.0
+        tokens = lr.micro_batch_tokens
+        abytes = 2 if lr.autocast else pbytes
+        layer = shape.hidden * 6 + shape.intermediate * 3  # one block's saved tensors / token
+        if lr.gradient_checkpointing:
+            acts = tokens * (shape.hidden * shape.layers + layer) * abytes
+        else:
+            acts = tokens * layer * shape.layers * abytes
+        logits = tokens * shape.vocab * 4 * 2  # float32 logits and their gradient
+        gathered = 2 * (shape.params / shape.layers) * pbytes if shards > 1 else 0.0
+        parts = {"weights": weights, "gradients": grads, "AdamW": adam, "reference": reference,
+                 "activations": acts + logits + gathered,
+                 "overhead": _LEARNER_OVERHEAD_GB * GB}  # fmt: skip
+        how = f"{res.learner_strategy} over {shards}" if shards > 1 else "a whole replica"
+        rows.append(_row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb))
+    if res.generator_gpus:
+        from ray_credit.pipeline.placement import scorer_shares_gpu
+
+        share = 1.0
+        if "scorer" in services and scorer_shares_gpu(res):
+            share = res.generator_gpus - res.scorer_gpus
+        tp = gen.vllm.tensor_parallel_size
+        weights = shape.params * _BYTES[gen.dtype] / tp
+        if gen.backend == "vllm":
+            budget = (
+                None if gpu_gb is None else gpu_gb * GB * gen.vllm.gpu_memory_utilization * share
+            )
+            kv_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * _BYTES[gen.dtype] / tp
+            parts = {"weights": weights, "overhead": _VLLM_OVERHEAD_GB * GB}
+            row = _row(f"generator (vLLM, {gen.dtype}, tp {tp})", parts, gpu_gb)
+            if budget is not None:
+                kv = budget - weights - _VLLM_OVERHEAD_GB * GB
+                row["kv_gb"] = kv / GB
+                row["kv_tokens"] = int(max(kv, 0) // kv_token)
+                row["contexts"] = row["kv_tokens"] // gen.max_context_tokens
+                row["budget_gb"] = budget / GB
+            rows.append(row)
+        else:
+            parts = {"weights": weights, "KV kept between turns": gen.kv_reuse_gb * GB}
+            rows.append(_row(f"generator (transformers, {gen.dtype})", parts, gpu_gb))
+    return rows
+
+
+def _row(name: str, parts: dict[str, float], gpu_gb: float | None) -> dict[str, Any]:
+    parts_gb = {k: v / GB for k, v in parts.items() if v}
+    return {"name": name, "parts": parts_gb, "total": sum(parts_gb.values()), "gpu_gb": gpu_gb}
+
+
+def report_memory(cfg: Any, services: set[str] = frozenset()) -> list[str]:
+    """Print the estimate per GPU (and warn where it will not fit); returns the warnings.
+    Nothing to print for a run without GPUs or a policy whose config.json is not at hand."""
+    res = cfg.resources
+    if not (res.use_gpu or res.generator_gpus):
+        return []
+    shape = model_shape(cfg.model)
+    if shape is None:
+        log.info(f"memory per GPU: not estimated ({cfg.model}'s config.json is not on this "
+                 "machine yet; it is read from a model folder or the Hugging Face cache)")  # fmt: skip
+        return []
+    gpu_gb = gpu_memory_gb(res)
+    rows = estimate(cfg, shape, gpu_gb, tuple(services))
+    size = f"{gpu_gb:.0f} GB GPUs" if gpu_gb else "GPU size unknown: --resources.gpu_memory_gb"
+    lines = [f"memory per GPU ({cfg.model}: {shape.params / 1e9:.2f}B parameters; {size}):"]
+    warnings = []
+    for row in rows:
+        parts = " + ".join(f"{k} {v:.1f}" for k, v in row["parts"].items())
+        line = f"  {row['name']}: {parts} = {row['total']:.1f} GB" + (
+            f" of {row['gpu_gb']:.0f}" if row["gpu_gb"] and "kv_tokens" not in row else ""
+        )
+        if "kv_tokens" in row:
+            line += (f"; KV cache {row['kv_gb']:.1f} GB of its {row['budget_gb']:.1f}: "
+                     f"{row['kv_tokens']:,} tokens, {row['contexts']} full contexts of "
+                     f"{cfg.generator.max_context_tokens}")  # fmt: skip
+            if row["contexts"] < 1:
+                warnings.append(
+                    f"warning: a generator's KV cache ({row['kv_gb']:.1f} GB) cannot hold one "
+                    f"trajectory of {cfg.generator.max_context_tokens} tokens: raise "
+                    "--generator.vllm.gpu_memory_utilization, use tensor parallelism "
+                    "(--generator.vllm.tensor_parallel_size with as many resources.generator_gpus), "
+                    "or lower --generator.max_context_tokens"
+                )
+        elif row["gpu_gb"] is not None and row["total"] > row["gpu_gb"]:
+            warnings.append(
+                f"warning: a {row['name']} needs about {row['total']:.1f} GB of a "
+                f"{row['gpu_gb']:.0f} GB GPU ({parts}): shard it over more workers "
+                "(--resources.learner_strategy fsdp, more learner_workers), train adapters "
+                "(--learner.lora.rank 64), turn on --learner.gradient_checkpointing, or halve "
+                "--learner.micro_batch_tokens"
+            )
+        lines.append(line)
+    log.info("\n".join(lines))
+    for warning in warnings:
+        log.warning(warning)
+    return warnings

@@ -1,0 +1,49 @@
+"""bench/gpu_check.py as CI runs it: --dry-run builds every check's settings and stops
+before the first CUDA call."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+
+
+def test_the_dry_run_sets_up_every_check_without_a_gpu():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "5 checks set up, nothing run on a GPU" in out.stdout
+    for check in ("vllm", "raw", "learner", "faiss", "pipeline"):
+        assert f"  {check}" in out.stdout
+    # the pipeline it would run is one a local Ray of one GPU places
+    assert "--resources.learner_gpus 0.5 --resources.generator_gpus 0.4" in out.stdout
+    assert "cuda" not in out.stderr.lower()
+
+
+def test_an_unknown_check_is_named():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "vllm,nope"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert out.returncode == 2 and "unknown checks ['nope']" in out.stderr
+
+
+def test_the_pipeline_check_places_on_one_gpu():
+    """Its learner (half a GPU) and vLLM generator (0.4) share the one GPU; the
+    evaluations run on the generator."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import argparse
+
+    from gpu_check import settings
+
+    from ray_credit.pipeline.configs import load_config
+    from ray_credit.pipeline.cli import run_config_class
+    from ray_credit.pipeline.placement import local_nodes, place, run_asks
+
+    args = argparse.Namespace(raw_tokens=128, faiss_docs=1000)
+    argv = settings(args)["pipeline"][2:]
+    cfg = load_config(run_config_class(ROOT / "pipelines" / "tspo.py", "TSPORun"), "tspo", argv)
+    placement = place(run_asks(cfg, set()), local_nodes(cfg.resources, 16), "one GPU")
+    assert placement.spots["learner 0"].gpus == ((0, 0.5),)
+    assert placement.spots["generator 0"].gpus == ((0, 0.4),)
