@@ -37,8 +37,8 @@ def test_the_pipeline_check_places_on_one_gpu():
 
     from gpu_check import settings
 
-    from ray_credit.pipeline.configs import load_config
     from ray_credit.pipeline.cli import run_config_class
+    from ray_credit.pipeline.configs import load_config
     from ray_credit.pipeline.placement import local_nodes, place, run_asks
 
     args = argparse.Namespace(raw_tokens=128, faiss_docs=1000)
