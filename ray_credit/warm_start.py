@@ -15,7 +15,9 @@ the protocol once:
 2. **Fine-tuning.** Mean token cross-entropy on the expert's tokens (``loss_mask``),
    AdamW, linear decay, ``epochs`` passes; the policy is saved as a Hugging Face folder
    that every actor of the run (generators, learner, reference, scorer, evaluation) then
-   loads as its model.
+   loads as its model. A pipeline runs it as a Ray Train job on the learner's workers and
+   resources (:mod:`ray_credit.sft`: DDP or FSDP, checkpoints in the run's storage);
+   without Ray it runs in the calling process.
 
 It needs questions with ``supporting_doc_ids`` (the synthetic world has them; Search-R1's
 parquet files do not) and a corpus whose first line of each document is its title.
@@ -24,12 +26,13 @@ Only training questions are demonstrated; the held-out ones never are.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -365,6 +368,17 @@ def _finetune(
     return {"loss_per_epoch": losses, "optimizer_steps": total}
 
 
+def _fit_here(model: str, cfg: WarmStartConfig, device: str, demos: TrajectoryBatch,
+              pad: int, out: Path, fingerprint: str) -> dict:  # fmt: skip
+    """The fine-tuning in this process (no Ray): the policy saved in ``out``."""
+    from ray_credit.models import load_model
+
+    policy, _ = load_model(model, device=device)
+    result = _finetune(policy, demos, cfg, pad, device)
+    policy.save_pretrained(out)
+    return result
+
+
 def warm_start(
     model: str,
     questions: Sequence[Mapping[str, Any]],
@@ -375,12 +389,19 @@ def warm_start(
     folder: str,
     *,
     device: str = "cpu",
+    fit: Callable[[TrajectoryBatch, int, Path, str], dict] | None = None,
 ) -> dict[str, Any]:
     """Demonstrate ``questions``, fine-tune ``model`` on them and save it in ``folder``
     (a Hugging Face folder, with ``warm_start.json``: the settings' fingerprint and the
     metrics). A folder already holding a warm start of the same settings is reused as it
-    is; one of other settings raises. Returns the manifest."""
-    from ray_credit.models import load_model
+    is; one of other settings raises. Returns the manifest.
+
+    ``fit(demonstrations, pad_token_id, folder, fingerprint)`` fine-tunes and saves the
+    policy in ``folder``, returning ``loss_per_epoch`` and ``optimizer_steps`` (the
+    fingerprint names the settings, for a job's checkpoints): a pipeline passes a
+    Ray Train job (:func:`ray_credit.sft.fine_tune`); None fine-tunes here, on
+    ``device``."""
+    from ray_credit.models import load_tokenizer
 
     # where it is saved and what RL does after it are not how it is made
     made_with = {k: v for k, v in asdict(cfg).items() if k not in ("folder", "rl_questions")}
@@ -406,7 +427,7 @@ def warm_start(
         )
     start = time.perf_counter()
     chosen = [questions[i] for i in demonstrated(len(questions), cfg)]
-    policy, tokenizer = load_model(model, device=device)
+    tokenizer = load_tokenizer(model)
     demos, counts = demonstrate(
         chosen, titles, tokenizer, retriever, gen, detours=cfg.detours, seed=cfg.seed
     )
@@ -416,11 +437,11 @@ def warm_start(
             "(check the retriever, topk and max_turns)"
         )
     made = time.perf_counter()
-    result = _finetune(policy, demos, cfg, int(tokenizer.pad_token_id), device)
     tmp = path.with_name(path.name + ".partial")  # ours alone: an interrupted save's
     if tmp.exists():
         shutil.rmtree(tmp)
-    policy.save_pretrained(tmp)
+    fit = fit or functools.partial(_fit_here, model, cfg, device)
+    result = fit(demos, int(tokenizer.pad_token_id), tmp, fingerprint)
     tokenizer.save_pretrained(tmp)
     manifest = {
         "fingerprint": fingerprint,
@@ -430,6 +451,7 @@ def warm_start(
             "warm_start/loss_first_epoch": result["loss_per_epoch"][0],
             "warm_start/loss_last_epoch": result["loss_per_epoch"][-1],
             "warm_start/optimizer_steps": float(result["optimizer_steps"]),
+            "warm_start/resumed_epoch": float(result.get("resumed_epoch", 0)),
             "warm_start/demonstrate_seconds": made - start,
             "warm_start/train_seconds": time.perf_counter() - made,
         },

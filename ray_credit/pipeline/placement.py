@@ -169,9 +169,10 @@ def run_asks(cfg: Any, services: set[str]) -> list[Ask]:
     if ev.enabled and ws.enabled and ev.before_warm_start:
         asks.append(Ask("evaluation (base policy)", res.eval_cpus, res.generator_gpus,
                         res.custom("generator"), ("base",)))  # fmt: skip
-    if ws.enabled:
-        asks.append(Ask("warm-start", res.learner_cpus, res.learner_gpus * res.use_gpu,
-                        res.custom("learner"), ("warm_start",)))  # fmt: skip
+    if ws.enabled:  # a Ray Train job on the learner's workers
+        for i in range(res.learner_workers):
+            asks.append(Ask(f"warm-start {i}", res.learner_cpus, res.learner_gpus * res.use_gpu,
+                            res.custom("learner"), ("warm_start",)))  # fmt: skip
     after = ("eval_before", "training", "eval_after")
     for i in range(res.learner_workers):
         asks.append(Ask(f"learner {i}", res.learner_cpus, res.learner_gpus * res.use_gpu,

@@ -22,6 +22,7 @@ the driver gets their summaries.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
@@ -180,10 +181,9 @@ def _warm_start(
     outputs: RunOutputs,
 ) -> Any:
     """Evaluate the base policy (``eval.before_warm_start``), fine-tune it on scripted
-    demonstrations of the training questions in a task with the learner's resources
-    (:func:`ray_credit.warm_start.warm_start`), and return ``cfg`` with ``model`` set to
-    the warm-started folder."""
-    import ray
+    demonstrations of the training questions as a Ray Train job on the learner's workers
+    (:func:`ray_credit.warm_start.warm_start`, :func:`_fit_on_ray_train`), and return
+    ``cfg`` with ``model`` set to the warm-started folder."""
 
     from ray_credit.warm_start import warm_start
 
@@ -194,27 +194,48 @@ def _warm_start(
         )
     res, ws = cfg.resources, cfg.warm_start
     folder = ws.folder or str(outputs.shared / "warm_start")
-    task = ray.remote(warm_start).options(
-        num_cpus=res.learner_cpus,
-        num_gpus=res.learner_gpus if res.use_gpu else 0,
-        resources=res.custom("learner"),
-    )
     t0 = time.perf_counter()
-    manifest = ray.get(task.remote(
-        cfg.model, train_q, titles, retriever, cfg.generator, ws, folder,
-        device="cuda" if res.use_gpu else "cpu",
-    ))  # fmt: skip
+    fit = functools.partial(_fit_on_ray_train, cfg, outputs.storage)
+    manifest = warm_start(cfg.model, train_q, titles, retriever, cfg.generator, ws, folder,
+                          fit=fit)  # fmt: skip
     m = manifest["metrics"]
     log.info(
         f"warm-start: {'reused ' + folder if manifest['reused'] else 'saved in ' + folder}; "
         f"{m['warm_start/demonstrations']:.0f} demonstrations of {m['warm_start/questions']:.0f} "
         f"questions ({m['warm_start/left_out_no_gold_seen']:.0f} left out: no gold answer seen), "
         f"loss {m['warm_start/loss_first_epoch']:.3f} -> {m['warm_start/loss_last_epoch']:.3f} "
-        f"over {ws.epochs} epoch(s) ({time.perf_counter() - t0:.0f}s)",
+        f"over {ws.epochs} epoch(s) ({time.perf_counter() - t0:.0f}s"
+        + (f"; Ray Train, {res.learner_workers} worker(s)" if not manifest["reused"] else "")
+        + ")",
     )
     summary["warm_start"] = {"folder": folder, "reused": manifest["reused"], **m}
     outputs.logger.log(m, step=0)
     return replace(cfg, model=folder)
+
+
+def _fit_on_ray_train(cfg: Any, storage: Any, demos: Any, pad: int, out: Any, fingerprint: str
+                      ) -> dict:  # fmt: skip
+    """The warm-start's fine-tuning as a Ray Train job on the learner's workers and
+    resources (:func:`ray_credit.sft.fine_tune`), its checkpoints in the run's storage
+    under a name of the settings' fingerprint (a run started again resumes them), deleted
+    once the policy is saved."""
+    from ray_credit.sft import FitConfig, fine_tune
+
+    res, ws = cfg.resources, cfg.warm_start
+    fit = FitConfig(
+        epochs=ws.epochs, lr=ws.lr, batch_size=ws.batch_size,
+        micro_batch_tokens=ws.micro_batch_tokens, autocast=ws.autocast, seed=ws.seed,
+        workers=res.learner_workers, strategy=res.learner_strategy, use_gpu=res.use_gpu,
+        cpus_per_worker=res.learner_cpus, gpus_per_worker=res.learner_gpus,
+        learner_resource=res.learner_resource,
+    )  # fmt: skip
+    name = f"warm_start_fit-{fingerprint}"
+    local = storage.local_path  # Ray Train takes an absolute path or a URI
+    where = str(local.resolve()) if local is not None else str(storage)
+    result = fine_tune(cfg.model, demos, fit, pad_token_id=pad, storage_path=where,
+                       name=name, out=out)  # fmt: skip
+    (storage / name).delete()
+    return result
 
 
 def _evaluate_before(
