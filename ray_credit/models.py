@@ -72,6 +72,21 @@ AttnImplementation = Literal[
 """Attention kernels transformers can run a model with (``attn_implementation``)."""
 
 
+REHEARSAL_ENV = "RAY_CREDIT_CPU_REHEARSAL"
+
+
+def cpu_rehearsal() -> bool:
+    """Whether this process rehearses a GPU run on CPUs (``resources.cpu_rehearsal``: every
+    actor asks Ray for its GPUs, logical ones, and computes on CPUs)."""
+    return os.environ.get(REHEARSAL_ENV) == "1"
+
+
+def device_for(gpus: float) -> str:
+    """Where an actor asking Ray for ``gpus`` computes: CUDA, unless it asks none or the
+    run is a CPU rehearsal."""
+    return "cuda" if gpus and not cpu_rehearsal() else "cpu"
+
+
 def cache_dir() -> Path:
     """Where converted models live: ``$RAY_CREDIT_CACHE`` or ``~/.cache/ray_credit``."""
     root = os.environ.get("RAY_CREDIT_CACHE") or Path.home() / ".cache" / "ray_credit"

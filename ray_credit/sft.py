@@ -89,7 +89,9 @@ def fine_tune(
     ``loss_mask`` (:func:`tokenize_demonstrations`)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from ray_credit.models import cpu_rehearsal
 
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.learner_resource:
@@ -105,6 +107,8 @@ def fine_tune(
             "pad": int(pad_token_id),
             "out": str(out),
         },  # fmt: skip
+        # gloo on CPUs, and in a rehearsal on logical GPUs; else NCCL
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu and not cpu_rehearsal() else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=cfg.workers, use_gpu=cfg.use_gpu, resources_per_worker=resources
         ),
@@ -137,12 +141,13 @@ def _train_loop(config: dict) -> None:
         token_logprobs,
         trained_span,
     )
-    from ray_credit.models import load_model
+    from ray_credit.models import cpu_rehearsal, load_model
 
     cfg: FitConfig = config["cfg"]
     ctx = ray.train.get_context()
     rank, size = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device() if cfg.use_gpu else torch.device("cpu")
+    on_gpu = cfg.use_gpu and not cpu_rehearsal()
+    device = ray.train.torch.get_device() if on_gpu else torch.device("cpu")
     if cfg.strategy == "fsdp":
         world = TorchFSDP()
     else:

@@ -57,6 +57,7 @@ from ray_credit.actors.learner import (
     TorchFSDP,
 )
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.models import cpu_rehearsal
 from ray_credit.storage import StoragePath
 
 __all__ = ["LearnerCall", "LearnerGroup", "LearnerWorkerError", "check_strategy"]
@@ -436,7 +437,7 @@ def _claim_device(placements: Sequence[_Placement], rank: int) -> str:
     made visible first, in one order on every rank (as Ray Train does), so that NCCL can
     use peer-to-peer between them; this must run before CUDA is initialized."""
     own = placements[rank]
-    if not own.gpu_ids:
+    if not own.gpu_ids or cpu_rehearsal():  # logical GPUs of a rehearsal: compute on CPUs
         return "cpu"
     import torch
 

@@ -266,6 +266,11 @@ class ResourcesConfig:
     """GPUs of the info-gain scorer (IGPO, A²TGPO). None: as a generator's. A share below 1
     beside whole-GPU generators puts it on generator 0's GPU: both start in one bundle of
     that GPU, generator 0 asking (and its vLLM engine using) the rest."""
+    cpu_rehearsal: bool = False
+    """Rehearse a GPU run on CPUs: every actor asks Ray for its GPUs (logical ones, as a
+    local Ray given resources.local_gpus or a fake cluster's node types have) and is
+    placed as on the GPU cluster, but computes on CPUs: a small model checks a cluster
+    config end to end before the GPUs are paid for."""
     gpu_memory_gb: float | None = None
     """Memory of one GPU, for the estimate printed before Ray starts (None: what
     nvidia-smi reports on this machine; a cluster's head may have no GPU to ask)."""
@@ -369,6 +374,11 @@ class RunConfig:
     storage_path/name (None: output_dir). A path, or a URI pyarrow opens (s3://bucket/runs,
     gs://..., hdfs://...), as Ray Train's RunConfig(storage_path) takes; on a multi-node
     cluster, one every node sees (a shared filesystem or a bucket)."""
+    storage_shared: bool | None = None
+    """Whether every node sees storage_path as this one does. None: judged from its
+    filesystem (a URI, or NFS, EFS, Lustre, a FUSE mount: yes; a local disk: no, and a run
+    across nodes is refused before any actor starts). true: you vouch for it (a
+    filesystem not recognized, a fake-multinode cluster on one machine)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases logging (--wandb disabled | offline | online; --wandb.project, ...)."""
     log_level: LogLevel = "info"

@@ -488,14 +488,19 @@ def check_storage(placement: Placement, cfg: Any) -> None:
     location = where if where is not None else getattr(cfg, "output_dir", None)
     if location is None or "://" in location and not location.startswith("file://"):
         return  # a bucket (s3://, gs://, hdfs://...): every node reaches it
-    path = location.removeprefix("file://")
-    kind = filesystem_of(path)
-    if kind is not None and (kind in _SHARED_FS or kind.startswith("fuse.")):
-        return
+    if getattr(cfg, "storage_shared", None) is not None:
+        if cfg.storage_shared:
+            return  # the user vouches for it
+        kind = "storage_shared is false"
+    else:
+        kind = filesystem_of(location.removeprefix("file://"))
+        if kind is not None and (kind in _SHARED_FS or kind.startswith("fuse.")):
+            return
     raise InputError(
         f"this run's actors span {len(used)} nodes, and its checkpoints go to {what} "
         f"{location!r}, a folder on this node's own disk ({kind or 'filesystem unknown'}): "
         "the learner would write them on another node's. Give a bucket every node "
         "writes, --storage_path s3://BUCKET/runs (gs://, hdfs:// alike), or a folder on a "
-        "filesystem every node mounts (NFS, EFS, Lustre)"
+        "filesystem every node mounts (NFS, EFS, Lustre; --storage_shared true where you "
+        "know every node sees it)"
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from ray_credit.actors.generator import GeneratorConfig
 from ray_credit.log import log, worker_env
+from ray_credit.models import REHEARSAL_ENV, device_for
 from ray_credit.pipeline.configs import JudgeConfig, ResourcesConfig, RetrieverConfig
 from ray_credit.pipeline.placement import (
     PHASES,
@@ -61,8 +62,11 @@ def connect(cfg: Any, demand: Mapping[str, float] | None = None, *, asks: Sequen
             _place_on_cluster(cfg, asks, ray)
         return ray
     # the run's workers as quiet as its log level (vLLM, transformers, torch's C++ logs)
+    env = worker_env(cfg.log_level, progress=wants_progress())
+    if getattr(cfg.resources, "cpu_rehearsal", False):  # every actor computes on CPUs
+        env[REHEARSAL_ENV] = os.environ[REHEARSAL_ENV] = "1"
     quiet = {
-        "runtime_env": {"env_vars": worker_env(cfg.log_level, progress=wants_progress())},
+        "runtime_env": {"env_vars": env},
         "logging_level": "INFO" if cfg.log_level == "debug" else "WARNING",
     }
     if os.environ.get("RAY_ADDRESS"):
@@ -250,7 +254,7 @@ def make_generators(
             num_cpus=res.generator_cpus if num_cpus is None else num_cpus,
             num_gpus=gpus,
             max_restarts=res.generator_max_restarts,
-            device="cuda" if res.generator_gpus else "cpu",
+            device=device_for(res.generator_gpus),
             name=None if prefix is None else f"{prefix}{i}",
             retrieval_timeout_s=cfg.retriever.timeout_s,
             **options,
@@ -315,7 +319,7 @@ def make_scorer(cfg: Any, plan: Plan, shared: Any = None):
         num_cpus=res.generator_cpus,
         num_gpus=gpus,
         **(_in_bundle(shared) if shared is not None else {"resources": res.custom("generator")}),
-        device="cuda" if gpus else "cpu",
+        device=device_for(gpus),
         autocast=cfg.learner.autocast,  # the policy's beliefs in the learner's numerics
         max_restarts=res.generator_max_restarts,
     )

@@ -225,6 +225,105 @@ def test_fake_multinode_twin_scales_up_for_a_job_and_back_down(tmp_path):
         head.stop()
 
 
+REHEARSAL = [  # a GPU config run with a tiny model on logical GPUs, computing on CPUs
+    "--model", "tiny-random", "--resources.cpu_rehearsal", "true",
+    "--generator.backend", "transformers", "--generator.dtype", "float32",
+    "--learner.autocast", "none", "--learner.gradient_checkpointing", "false",
+    "--resources.generator_cpus", "1", "--resources.learner_cpus", "1",
+    "--resources.retriever_cpus", "0.5", "--resources.eval_cpus", "1",
+    "--generator.group_size", "2", "--generator.max_turns", "2",
+    "--generator.max_new_tokens", "8", "--pipeline.steps", "2",
+    "--pipeline.groups_per_step", "4", "--pipeline.chunk_groups", "2",
+    "--pipeline.checkpoint_every", "1", "--data.eval_questions", "4",
+    "--data.world.num_entities", "20", "--wandb", "disabled",
+]  # fmt: skip
+
+
+def test_the_readme_cluster_command_rehearsed_on_the_twins_logical_gpus(tmp_path):
+    """`ray job submit -- python pipelines/tspo.py --config pipelines/configs/aws.yaml`
+    on cluster.local.yaml, whose node types carry logical GPUs: placed before any actor
+    starts against the twin's node types (the plan printed), the autoscaler adds the
+    generator, learner and service nodes the plan names, the two FSDP learner workers and
+    two generators take a logical GPU each, and the run goes through its checkpoints to
+    the end. Without storage every node sees, the same command is refused up front."""
+    head = RayHead(
+        tmp_path, f"--autoscaling-config={ROOT / 'cluster.local.yaml'}", fake_cluster=True
+    )
+    try:
+        command = [
+            str(BIN / "ray"), "job", "submit", "--address", ADDRESS, "--",
+            "python", str(ROOT / "pipelines" / "tspo.py"),
+            "--config", str(ROOT / "pipelines" / "configs" / "aws.yaml"),
+            "--output_dir", str(tmp_path / "runs"), *REHEARSAL,
+            "--resources.cluster_config", str(ROOT / "cluster.local.yaml"),
+            "--resources.num_generators", "2", "--resources.learner_workers", "2",
+        ]  # fmt: skip
+        # storage on this node's disk, not vouched for: refused before any actor starts
+        refused = head.ray(*command[1:], "--storage_path", str(tmp_path / "bucket"), timeout=300)
+        assert refused.returncode != 0
+        assert "span" in refused.stdout + refused.stderr and "--storage_shared" in (
+            refused.stdout + refused.stderr
+        )
+        log_path = tmp_path / "job.log"
+        with log_path.open("w") as log:
+            job = subprocess.Popen(
+                [*command, "--storage_path", str(tmp_path / "bucket"), "--storage_shared", "true"],
+                cwd=tmp_path, env=head.env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            peak: dict[str, int] = {}
+            deadline = time.monotonic() + 900
+            while job.poll() is None and time.monotonic() < deadline:
+                for node_type, n in head.active_nodes().items():
+                    peak[node_type] = max(peak.get(node_type, 0), n)
+                time.sleep(2)
+            if job.poll() is None:
+                job.kill()
+        text = log_path.read_text()
+        assert job.returncode == 0, text[-6000:]
+        assert "placement (the node types of" in text and "generator_gpu#1" in text
+        assert peak.get("generator_gpu", 0) == 2 and peak.get("learner_gpu", 0) == 1, peak
+        summary = _summary(tmp_path / "runs", "tspo-qwen2.5-3b")
+        assert summary["steps"] == 2 and summary["eval_after"]["questions"] == 4
+        checkpoint = tmp_path / "bucket" / "tspo-qwen2.5-3b" / "checkpoint"
+        assert sorted(p.name for p in checkpoint.iterdir() if p.name.startswith("step_"))
+    finally:
+        head.stop()
+
+
+@pytest.mark.e2e
+def test_search_r1_yaml_rehearsed_on_a_local_ray_of_8_logical_gpus(tmp_path):
+    """pipelines/configs/search_r1.yaml on a local Ray the script starts with 8 logical
+    GPUs: the plan puts the 4 FSDP learner workers and the 4 generators on a GPU each,
+    every actor starts (none waits), and the run goes through its checkpoint."""
+    questions = tmp_path / "train.jsonl"
+    corpus = tmp_path / "corpus.jsonl"
+    from ray_credit.data import WorldConfig, make_world
+
+    world = make_world(WorldConfig(num_entities=20))
+    questions.write_text("".join(json.dumps({"question": q["question"],
+                                             "golden_answers": list(q["golden_answers"])}) + "\n"
+                                 for q in world.questions))  # fmt: skip
+    corpus.write_text("".join(json.dumps({"id": d["id"], "contents": d["contents"]}) + "\n"
+                              for d in world.corpus))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "pipelines" / "tspo.py"),
+         "--config", str(ROOT / "pipelines" / "configs" / "search_r1.yaml"),
+         "--data.questions", str(questions), "--data.corpus", str(corpus),
+         "--data.eval_file", "none", "--data.eval_questions", "4",
+         "--retriever.encoder.name", "minilm", "--output_dir", str(tmp_path / "runs"),
+         "--resources.local_gpus", "8", "--resources.local_cpus", "24", *REHEARSAL],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    text = out.stdout + out.stderr
+    assert "placement (a local Ray; 1 of 1 node(s) used, 8 GPU(s))" in text
+    summary = _summary(tmp_path / "runs", "search-r1-3b")
+    assert summary["steps"] == 2 and summary["eval_after"]["questions"] == 4
+    checkpoint = tmp_path / "runs" / "search-r1-3b" / "checkpoint"
+    assert any(p.name.startswith("step_") for p in checkpoint.iterdir())
+
+
 def _raylet_of(node_id: str) -> int:
     """The pid of the raylet of node ``node_id`` (a fake node is a process tree here)."""
     for entry in Path("/proc").iterdir():
