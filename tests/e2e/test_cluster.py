@@ -239,6 +239,7 @@ REHEARSAL = [  # a GPU config run with a tiny model on logical GPUs, computing o
 ]  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_the_readme_cluster_command_rehearsed_on_the_twins_logical_gpus(tmp_path):
     """`ray job submit -- python pipelines/tspo.py --config pipelines/configs/aws.yaml`
     on cluster.local.yaml, whose node types carry logical GPUs: placed before any actor
