@@ -227,6 +227,7 @@ def test_fake_multinode_twin_scales_up_for_a_job_and_back_down(tmp_path):
 
 REHEARSAL = [  # a GPU config run with a tiny model on logical GPUs, computing on CPUs
     "--model", "tiny-random", "--resources.cpu_rehearsal", "true",
+    "--retriever.encoder.name", "minilm",  # the embedded encoder: nothing to download
     "--generator.backend", "transformers", "--generator.dtype", "float32",
     "--learner.autocast", "none", "--learner.gradient_checkpointing", "false",
     "--resources.generator_cpus", "1", "--resources.learner_cpus", "1",
@@ -312,7 +313,7 @@ def test_search_r1_yaml_rehearsed_on_a_local_ray_of_8_logical_gpus(tmp_path):
          "--config", str(ROOT / "pipelines" / "configs" / "search_r1.yaml"),
          "--data.questions", str(questions), "--data.corpus", str(corpus),
          "--data.eval_file", "none", "--data.eval_questions", "4",
-         "--retriever.encoder.name", "minilm", "--output_dir", str(tmp_path / "runs"),
+         "--output_dir", str(tmp_path / "runs"),
          "--resources.local_gpus", "8", "--resources.local_cpus", "24", *REHEARSAL],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900,
     )  # fmt: skip
