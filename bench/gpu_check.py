@@ -105,12 +105,12 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def check_vllm(cfg: dict, out: dict) -> None:
-    import numpy as np
     import torch
 
     from ray_credit.actors.generator import Generator
     from ray_credit.actors.retriever import Retriever
     from ray_credit.models import load_model
+    from ray_credit.testing import max_logprob_gap
 
     world = make_world(WorldConfig(seed=0))
     retriever = Retriever.create(world.corpus)
@@ -120,20 +120,8 @@ def check_vllm(cfg: dict, out: dict) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     model, _ = load_model(MODEL, device="cuda")
 
-    def worst(batch) -> float:
-        gap = 0.0
-        for row in batch.to_records():
-            ids = torch.tensor(row["input_ids"], device="cuda")[None]
-            with torch.inference_mode():
-                logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-            forced = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
-            mask = np.array(row["loss_mask"][1:]) == 1
-            behavior = np.array(row["behavior_logprobs"][1:])
-            gap = max(gap, float(np.abs(forced[mask] - behavior[mask]).max()))
-        return gap
-
     questions = world.questions[:4]
-    out["logprob_gap"] = worst(generator.generate(questions))
+    out["logprob_gap"] = max_logprob_gap(model, generator.generate(questions))
     with torch.no_grad():  # new weights: every parameter moved a little
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 1e-3)
@@ -141,7 +129,7 @@ def check_vllm(cfg: dict, out: dict) -> None:
     t0 = time.perf_counter()
     generator.update_weights(1, state)
     out["weight_update_s"] = time.perf_counter() - t0
-    out["logprob_gap_after_update"] = worst(generator.generate(questions))
+    out["logprob_gap_after_update"] = max_logprob_gap(model, generator.generate(questions))
     out["ok"] = out["logprob_gap"] < 2e-3 and out["logprob_gap_after_update"] < 2e-3
 
 

@@ -188,3 +188,23 @@ def _token_columns(
         "token_turn": tokens(turn),
         "behavior_logprobs": tokens(logprobs),
     }
+
+
+def max_logprob_gap(model: Any, batch: TrajectoryBatch) -> float:
+    """The largest |behaviour log-prob - teacher-forced log-prob| over the sampled tokens
+    of ``batch`` (``loss_mask`` 1), the forward pass of ``model`` (a causal LM, float32
+    log-softmax) on its device: how exactly a generator's log-probs are the policy's."""
+    import torch
+
+    device = next(model.parameters()).device
+    worst = 0.0
+    for row in batch.to_records():
+        ids = torch.tensor(row["input_ids"], device=device)[None]
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        forced = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
+        mask = np.array(row["loss_mask"][1:]) == 1
+        behavior = np.array(row["behavior_logprobs"][1:])
+        if mask.any():
+            worst = max(worst, float(np.abs(forced[mask] - behavior[mask]).max()))
+    return worst

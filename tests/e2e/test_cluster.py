@@ -121,6 +121,24 @@ class RayHead:
                 counts[node_type] = int(n)
         return counts
 
+    def run_watching_nodes(self, command: list[str], log, *, timeout: float
+                           ) -> tuple[int | None, dict[str, int]]:  # fmt: skip
+        """Run ``command`` (a job submission) with its output in ``log``, noting the most
+        nodes of each type the autoscaler had up meanwhile; (exit status, those counts).
+        A command past ``timeout`` is killed (status None)."""
+        job = subprocess.Popen(command, cwd=self.tmp, env=self.env, stdout=log,
+                               stderr=subprocess.STDOUT)  # fmt: skip
+        peak: dict[str, int] = {}
+        deadline = time.monotonic() + timeout
+        while job.poll() is None and time.monotonic() < deadline:
+            for node_type, n in self.active_nodes().items():
+                peak[node_type] = max(peak.get(node_type, 0), n)
+            time.sleep(2)
+        if job.poll() is None:
+            job.kill()
+            return None, peak
+        return job.returncode, peak
+
     def stop(self) -> None:
         from ray._common.utils import reset_ray_address
 
@@ -189,25 +207,17 @@ def test_fake_multinode_twin_scales_up_for_a_job_and_back_down(tmp_path):
         with log_path.open("w") as log:
             # No --working-dir: fake nodes share one session folder, and a node that drops
             # its copy of the package would pull it from under the others' workers.
-            job = subprocess.Popen(
+            code, peak = head.run_watching_nodes(
                 [
                     str(BIN / "ray"), "job", "submit", "--address", ADDRESS, "--",
                     "python", str(ROOT / "pipelines" / "tspo.py"),
                     "--config", str(ROOT / "pipelines" / "configs" / "local_cluster.yaml"),
                     "--output_dir", str(tmp_path / "runs"),
                 ],
-                cwd=tmp_path, env=head.env, stdout=log, stderr=subprocess.STDOUT,
+                log, timeout=600,
             )  # fmt: skip
-            peak: dict[str, int] = {}
-            deadline = time.monotonic() + 600
-            while job.poll() is None and time.monotonic() < deadline:
-                for node_type, n in head.active_nodes().items():
-                    peak[node_type] = max(peak.get(node_type, 0), n)
-                time.sleep(2)
-            if job.poll() is None:
-                job.kill()
         log_text = log_path.read_text()
-        assert job.returncode == 0, log_text[-6000:]
+        assert code == 0, log_text[-6000:]
         # every role's node type was added to place its actors
         assert peak.get("generator_gpu", 0) >= 1, peak
         assert peak.get("learner_gpu", 0) == 1 and peak.get("service_cpu", 0) == 1, peak
@@ -268,20 +278,10 @@ def test_the_readme_cluster_command_rehearsed_on_the_twins_logical_gpus(tmp_path
         )
         log_path = tmp_path / "job.log"
         with log_path.open("w") as log:
-            job = subprocess.Popen(
-                [*command, "--storage_path", str(tmp_path / "bucket"), "--storage_shared", "true"],
-                cwd=tmp_path, env=head.env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            peak: dict[str, int] = {}
-            deadline = time.monotonic() + 900
-            while job.poll() is None and time.monotonic() < deadline:
-                for node_type, n in head.active_nodes().items():
-                    peak[node_type] = max(peak.get(node_type, 0), n)
-                time.sleep(2)
-            if job.poll() is None:
-                job.kill()
+            shared = ["--storage_path", str(tmp_path / "bucket"), "--storage_shared", "true"]
+            code, peak = head.run_watching_nodes([*command, *shared], log, timeout=900)
         text = log_path.read_text()
-        assert job.returncode == 0, text[-6000:]
+        assert code == 0, text[-6000:]
         assert "placement (the node types of" in text and "generator_gpu#1" in text
         assert peak.get("generator_gpu", 0) == 2 and peak.get("learner_gpu", 0) == 1, peak
         summary = _summary(tmp_path / "runs", "tspo-qwen2.5-3b")

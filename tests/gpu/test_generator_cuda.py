@@ -4,6 +4,7 @@ pass on the same device, and the info-gain scorer on the same device as on the C
 import numpy as np
 import pytest
 
+from ray_credit.testing import max_logprob_gap
 from tests.unit.test_generator import QUESTIONS, WordRetriever
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,6 @@ def tiny_cuda():
 
 
 def test_cuda_rollout_logprobs_match_teacher_forcing(tiny_cuda):
-    import torch
 
     from ray_credit.actors.generator import Generator, GeneratorConfig
 
@@ -29,15 +29,7 @@ def test_cuda_rollout_logprobs_match_teacher_forcing(tiny_cuda):
     config = GeneratorConfig(group_size=4, max_turns=2, max_new_tokens=12, seed=3, max_batch_size=3)
     batch = Generator(tiny_cuda, WordRetriever(), config).generate(QUESTIONS)
     assert len(batch) == 8 and batch.metrics["gen/generated_tokens"] > 0
-    worst = 0.0
-    for row in batch.to_records():
-        ids = torch.tensor(row["input_ids"], device="cuda")[None]
-        with torch.inference_mode():
-            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-        forced = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
-        mask = np.array(row["loss_mask"][1:]) == 1
-        behavior = np.array(row["behavior_logprobs"][1:])
-        worst = max(worst, float(np.abs(forced[mask] - behavior[mask]).max()))
+    worst = max_logprob_gap(model, batch)
     print(f"\nCUDA: max |behavior - teacher-forced logprob| = {worst:.2e}")
     assert worst < 1e-3
 

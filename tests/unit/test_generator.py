@@ -12,6 +12,7 @@ from ray_credit.actors.generator import Generator, GeneratorConfig  # noqa: E402
 from ray_credit.actors.sampling import SampledTurn, SamplingParams, TransformersSampler  # noqa: E402
 from ray_credit.models import load_model  # noqa: E402
 from ray_credit.protocol import INVALID_ACTION_FEEDBACK  # noqa: E402
+from ray_credit.testing import max_logprob_gap  # noqa: E402
 
 DOCS = [
     {"id": "d-velmora", "contents": "Velmora\nVelmora was founded by Ada Quill in 1873."},
@@ -270,18 +271,10 @@ def test_real_tiny_model_logprobs_match_teacher_forcing(tiny):
     )
     batch = gen.generate(QUESTIONS)
     assert len(batch) == 6 and batch.num_groups == 2
-    worst = 0.0
     for row in batch.to_records():
-        ids = torch.tensor(row["input_ids"])[None]
-        with torch.inference_mode():
-            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-        forced = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].numpy()
-        mask = np.array(row["loss_mask"][1:]) == 1
-        worst = max(
-            worst, float(np.abs(forced[mask] - np.array(row["behavior_logprobs"][1:])[mask]).max())
-        )
         turns = np.array(row["token_turn"])
         assert turns.max() == len(row["turns"]) - 1
+    worst = max_logprob_gap(model, batch)
     assert worst < 1e-4, worst
     assert batch.metrics["gen/generated_tokens"] == sum(
         int(np.sum(r["loss_mask"])) for r in batch.to_records()
