@@ -50,7 +50,7 @@ from ray_credit.signals import SIGNALS  # noqa: E402
 # What a training run's YAML file may hold that evaluation does not use.
 TRAINING_SECTIONS = (
     *("name", "output_dir", "resume", "wandb", "learner", "pipeline", "eval", "judge"),
-    *("storage_path", "warm_start"),
+    *("storage_path", "warm_start", "estimator"),
     *ESTIMATORS,
     *SIGNALS,
 )

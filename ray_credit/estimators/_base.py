@@ -44,6 +44,9 @@ class Estimator:
       parts when it is split at group boundaries (every statistic is within a group), so
       the pipeline may run it on each chunk as soon as it is generated. False: it runs
       once per step, on the step's whole batch.
+    * ``composition``: ``composition(config)`` is the composition of parts
+      (:mod:`ray_credit.estimators.compose`) this estimator equals with that config, as
+      text (None where a setting has no part); a test holds every paper estimator to it.
     """
 
     name: str
@@ -54,6 +57,7 @@ class Estimator:
     signals: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     learner: Mapping[str, Any] = field(default_factory=dict)
     group_local: bool = True
+    composition: Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):

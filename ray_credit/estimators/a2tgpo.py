@@ -211,6 +211,30 @@ def _rescaled_accumulation(g_hat: np.ndarray, n_ig: np.ndarray, gamma: float) ->
     return accumulated
 
 
+def a2tgpo_composition(config: A2TGPOConfig) -> str:
+    from ray_credit.estimators.igpo import IGPOConfig, igpo_composition
+
+    stats = f"ddof={config.std_ddof}, eps={config.eps!r}, var_eps={config.var_eps!r}"
+    if config.norm_mode != "turn_group":
+        igpo = IGPOConfig(
+            gamma=config.gamma,
+            norm_mode=config.norm_mode,
+            std_ddof=config.std_ddof,
+            eps=config.eps,
+            var_eps=config.var_eps,
+        )
+        return igpo_composition(igpo, mode="log_prob_diff")
+    compat = config.official_compat
+    gain = f"info_gain(mode='log_prob_diff', zero={'drop' if compat else 'keep'!r})"
+    turn_group = (
+        f"turn_position(padding='none', index={'ordinal' if compat else 'position'!r}, {stats})"
+    )
+    ig = f"{gain} | {turn_group} | rescaled_sum(gamma={config.gamma!r})"
+    outcome = f"outcome | group(singleton='center', {stats})"
+    text = f"{config.ig_weight!r}*({ig}) + ({outcome}) | adaptive_clip(beta={config.clip_beta!r})"
+    return text + (" | segments" if compat else "")
+
+
 ESTIMATORS = (
     Estimator(
         "a2tgpo",
@@ -222,5 +246,6 @@ ESTIMATORS = (
         # ratio with its own clip range (scaled per turn by turn_clip_scale), no KL.
         signals={"info_gain": {"mode": "log_prob_diff"}},
         learner={"loss.ratio_level": "turn", "loss.clip_low": 3e-3, "loss.clip_high": 4e-3},
+        composition=a2tgpo_composition,
     ),
 )

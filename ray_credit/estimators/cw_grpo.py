@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -111,11 +112,27 @@ def _advantage_by_kind(
     judged: np.ndarray,
 ) -> tuple[np.ndarray, dict[str, float]]:
     """Design 2-3 per trajectory: the advantage of its final turn, of a round with p = 0
-    and of a round with p = 1 (an ``(n, 3)`` matrix), and the metrics.
+    and of a round with p = 1 (an ``(n, 3)`` matrix), and the metrics."""
+    factors, counts = round_factors(batch, config, outcome_advantage >= 0, p_one, judged)
+    metrics = {f"cw_grpo/{name}": value for name, value in counts.items()}
+    return outcome_advantage[:, None] * factors, metrics
 
-    ``A = A^O * c * (T - 1)`` on a redistributed trajectory's rounds, ``c = w / sum w``;
-    ``A^O`` elsewhere. With p in {0, 1}, ``w`` and ``sum w`` follow from per-trajectory
-    counts of the rounds with p = 1 and of the rounds judged null.
+
+def round_factors(
+    batch: TrajectoryBatch,
+    config: Any,
+    non_negative: np.ndarray,
+    p_one: np.ndarray,
+    judged: np.ndarray,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """Design 2-3 as factors on a trajectory's advantage: for its final turn (1), a round
+    with p = 0 and a round with p = 1 (an ``(n, 3)`` matrix), and the counts.
+
+    A redistributed trajectory's rounds get ``c * (T - 1)``, ``c = w / sum w``; every other
+    turn 1. With p in {0, 1}, ``w`` and ``sum w`` follow from per-trajectory counts of the
+    rounds with p = 1 and of the rounds judged null. ``config`` has ``alpha``,
+    ``official_compat`` and ``inf_threshold``; ``non_negative`` (per trajectory, the sign
+    of its outcome advantage) is the official code's switch.
     """
     nonfinal = ~batch.is_last_turn
     rounds = (batch.turn_counts - 1).astype(np.float64)
@@ -133,25 +150,24 @@ def _advantage_by_kind(
         else:
             w0, w1, weight_sum = _round_weights(ones, rounds, config.alpha)
         w1 = np.where(success, w1, w0)  # quirk c: a failed trajectory's p = 1 reads as 0
-        redistributed = (rounds > 0) & (outcome_advantage >= 0)  # the switch is sign(A^O)
+        redistributed = (rounds > 0) & non_negative  # the switch is sign(A^O)
     else:
         w0, w1, weight_sum = _round_weights(ones, rounds, config.alpha)
     null_turns = unjudged * read  # official: read as 0; paper: falls back
     if not config.official_compat:  # failed or null-judged: uniform 1/R weights, factor 1
         redistributed = success & (rounds > 0) & (null_turns == 0)
 
-    by_kind = np.repeat(outcome_advantage[:, None], 3, axis=1)
+    factors = np.ones((len(batch), 3))
     at = np.flatnonzero(redistributed)  # these have rounds, so a positive weight sum
     for kind, weight in ((1, w0), (2, w1)):
         weight = weight[at] if np.ndim(weight) else weight
-        factor = (weight / weight_sum[at]) * rounds[at]  # Design 3: c * (T - 1)
-        by_kind[at, kind] = outcome_advantage[at] * factor
-    metrics = {
-        "cw_grpo/redistributed_trajs": float(np.count_nonzero(redistributed)),
-        "cw_grpo/null_judgement_trajs": float(np.count_nonzero(null_turns)),
-        "cw_grpo/null_judgement_turns": float(null_turns.sum()),
+        factors[at, kind] = (weight / weight_sum[at]) * rounds[at]  # Design 3: c * (T - 1)
+    counts = {
+        "redistributed_trajs": float(np.count_nonzero(redistributed)),
+        "null_judgement_trajs": float(np.count_nonzero(null_turns)),
+        "null_judgement_turns": float(null_turns.sum()),
     }
-    return by_kind, metrics
+    return factors, counts
 
 
 def _round_weights(
@@ -169,6 +185,15 @@ def _round_weights(
     return w0, 1.0, ones + (rounds - ones) * w0
 
 
+def cw_grpo_composition(config: CWGRPOConfig) -> str:
+    from ray_credit.estimators.grpo import group_text
+
+    return (
+        f"outcome | {group_text(config)} | contribution(alpha={config.alpha!r}, official_compat="
+        f"{config.official_compat}, inf_threshold={config.inf_threshold!r})"
+    )
+
+
 ESTIMATORS = (
     Estimator(
         "cw_grpo",
@@ -178,5 +203,6 @@ ESTIMATORS = (
         "GRPO advantage redistributed over search rounds by judged contribution (CW-GRPO)",
         signals={"cw_grpo_judgement": {}},
         learner={"kl_coef": 1e-3},  # ALGORITHMS.md 4.2: low_var_kl (k3) loss, coef 0.001
+        composition=cw_grpo_composition,
     ),
 )

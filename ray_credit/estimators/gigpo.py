@@ -271,6 +271,28 @@ def _episode_term(
     return (term if penalty is not None else np.repeat(term, batch.turn_counts)), zero_std_rows
 
 
+def gigpo_composition(config: GiGPOConfig) -> str | None:
+    """GiGPO as parts; None for ``cross_steps=False`` with a penalty (episode statistics
+    over each trajectory's first row, each row normalized with its own score: no
+    normalizer does that)."""
+    penalty = config.invalid_action_penalty
+    if not config.cross_steps and penalty:
+        return None
+    stats = f"ddof={config.std_ddof}, eps={config.eps!r}, by_std={config.mode == 'mean_std_norm'}"
+    episode, step = "outcome", f"discounted_outcome(gamma={config.gamma!r})"
+    if penalty:
+        episode += f" - {penalty!r}*invalid"
+        step += f" - {penalty!r}*invalid"
+    # cross_steps: statistics over every turn-row of the group; else one per trajectory
+    rows = "group_turns(var_eps=0.0, " if config.cross_steps else "group("
+    rows += f"singleton='zero_mean_unit_std', {stats})"
+    anchors = (
+        f"anchor_state(similarity={config.enable_similarity}, threshold="
+        f"{config.similarity_threshold!r}, {stats})"
+    )
+    return f"({episode} | {rows}) + {config.step_weight!r}*({step} | {anchors})"
+
+
 ESTIMATORS = (
     Estimator(
         "gigpo",
@@ -279,5 +301,6 @@ ESTIMATORS = (
         ("group_id", "outcome_reward", "turns", "question"),
         "episode-level plus anchor-state step-level group normalization (GiGPO)",
         learner={"kl_coef": 1e-3},  # ALGORITHMS.md 8.2: KL loss 0.001 low_var_kl (k3)
+        composition=gigpo_composition,
     ),
 )

@@ -75,9 +75,32 @@ def rloo(batch: TrajectoryBatch, config: RLOOConfig) -> TrajectoryBatch:
     )
 
 
+def grpo_composition(config: GRPOConfig) -> str:
+    return f"outcome | {group_text(config)}"
+
+
+def group_text(config: GRPOKnobs) -> str:
+    """The ``group`` normalizer with GRPO's knobs, as a composition writes it."""
+    return (
+        f"group(ddof={config.std_ddof}, eps={config.eps!r}, by_std={config.norm_by_std}, "
+        f"singleton={config.singleton_policy!r})"
+    )
+
+
+def rloo_composition(config: RLOOConfig) -> str:
+    return f"outcome | leave_one_out(singleton={config.singleton_policy!r})"
+
+
 _REQUIRES = ("group_id", "outcome_reward", "turns")
 ESTIMATORS = (
-    Estimator("grpo", grpo, GRPOConfig, _REQUIRES, "group-normalized outcome reward (GRPO)"),
+    Estimator(
+        "grpo",
+        grpo,
+        GRPOConfig,
+        _REQUIRES,
+        "group-normalized outcome reward (GRPO)",
+        composition=grpo_composition,
+    ),
     Estimator(
         "dr_grpo",
         grpo,
@@ -86,6 +109,14 @@ ESTIMATORS = (
         "GRPO without std normalization (Dr.GRPO)",
         # ALGORITHMS.md 2.4: Dr.GRPO sums token losses over a constant length
         learner={"loss.agg_mode": "seq-mean-token-sum-norm"},
+        composition=grpo_composition,
     ),
-    Estimator("rloo", rloo, RLOOConfig, _REQUIRES, "leave-one-out baseline (RLOO)"),
+    Estimator(
+        "rloo",
+        rloo,
+        RLOOConfig,
+        _REQUIRES,
+        "leave-one-out baseline (RLOO)",
+        composition=rloo_composition,
+    ),
 )

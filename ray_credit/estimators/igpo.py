@@ -157,6 +157,19 @@ def igpo(batch: TrajectoryBatch, config: IGPOConfig) -> TrajectoryBatch:
     )
 
 
+def igpo_composition(config: IGPOConfig, mode: str = "prob_diff") -> str:
+    """IGPO as parts; ``mode`` is the info-gain signal's (A²TGPO's joint and separate
+    modes are IGPO with the log-probability gain)."""
+    norm = f"group_turns(ddof={config.std_ddof}, eps={config.eps!r}, var_eps={config.var_eps!r})"
+    gain, outcome = f"info_gain(mode={mode!r})", "outcome(at='last')"
+    if config.norm_mode == "joint":
+        advantage = f"{gain} + {outcome} | {norm}"
+    else:
+        advantage = f"({gain} | {norm}) + ({outcome} | {norm})"
+    boundaries = "nonzero" if config.official_compat else "every_turn"
+    return f"{advantage} | discount(gamma={config.gamma!r}, boundaries={boundaries!r})"
+
+
 ESTIMATORS = (
     Estimator(
         "igpo",
@@ -166,5 +179,6 @@ ESTIMATORS = (
         "information-gain turn rewards, group-normalized, discounted backwards (IGPO)",
         signals={"info_gain": {"mode": "prob_diff"}},
         learner={"kl_coef": 1e-3},  # ALGORITHMS.md 6.3: KL loss, coef 0.001 (k3)
+        composition=igpo_composition,
     ),
 )

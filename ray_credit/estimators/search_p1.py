@@ -237,6 +237,15 @@ def search_p1(batch: TrajectoryBatch, config: SearchP1Config) -> TrajectoryBatch
     )
 
 
+def search_p1_composition(config: SearchP1Config) -> str:
+    from ray_credit.estimators.grpo import group_text
+
+    names = ("lambda_path", "lambda_outcome", "lambda_format", "soft_alpha", "variant",
+             "format_full", "format_partial", "correct_threshold")  # fmt: skip
+    path = ", ".join(f"{name}={getattr(config, name)!r}" for name in names)
+    return f"path({path}) | {group_text(config)}"
+
+
 ESTIMATORS = (
     Estimator(
         "search_p1",
@@ -247,5 +256,6 @@ ESTIMATORS = (
         signals={"search_p1_evaluation": {}},
         # ALGORITHMS.md 5.1: clip 0.2 to 0.28 (DAPO's clip-higher), low-var KL loss 0.001
         learner={"loss.clip_high": 0.28, "kl_coef": 1e-3},
+        composition=search_p1_composition,
     ),
 )

@@ -190,21 +190,22 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
 
     # Per turn: its reward (b, then a on the first `cut` turns of the partial trajectories)
     # and its (group, column) cell. Per-trajectory values reach the turns by np.take over
-    # one owner index, into few and narrow buffers: at ~143k turns, fresh pages and
+    # one owner index, into few buffers: at ~143k turns, fresh pages and
     # np.repeat cost as much as the arithmetic.
     offsets, owner = batch.turn_offsets, batch.turn_traj_index
     width = mean.shape[0]
     index = np.int32 if batch.num_turns + mean.size < 2**31 else np.int64
     flat = np.arange(batch.num_turns, dtype=index)
-    rewards = np.take(b.astype(np.float32), owner)
+    # Eq. (7) runs in float64: a reward such as alpha = 0.3 is not a float32 number, and
+    # its rounding, divided by a small std, would show in the advantage.
+    rewards = np.take(b, owner)
     lead_end = np.take((offsets[:-1] + np.where(partial, cut, 0)).astype(index), owner)
-    np.copyto(rewards, np.float32(config.alpha), where=flat < lead_end)
+    np.copyto(rewards, config.alpha, where=flat < lead_end)
     cell = np.take((batch.group_index * width - offsets[:-1]).astype(index), owner, out=lead_end)
     cell += flat  # g * width + k
-    advantages = np.take(np.ascontiguousarray(mean.T, dtype=np.float32).ravel(), cell)
+    advantages = np.take(np.ascontiguousarray(mean.T).ravel(), cell)
     np.subtract(rewards, advantages, out=advantages)
-    inv_cells = np.ascontiguousarray(inv_std.T, dtype=np.float32).ravel()
-    advantages *= np.take(inv_cells, cell)  # Eq. (7)
+    advantages *= np.take(np.ascontiguousarray(inv_std.T).ravel(), cell)  # Eq. (7)
 
     null_contains = batch.column("turn_contains_gold").flatten().null_count
     metrics = {
@@ -214,7 +215,19 @@ def tspo(batch: TrajectoryBatch, config: TSPOConfig) -> TrajectoryBatch:
         "tspo/null_contains_gold": float(null_contains),
     }
     return batch.with_turn_columns(
-        {"turn_rewards": rewards, "turn_advantages": advantages}, metrics=metrics
+        {
+            "turn_rewards": rewards.astype(np.float32),
+            "turn_advantages": advantages.astype(np.float32),
+        },
+        metrics=metrics,
+    )
+
+
+def tspo_composition(config: TSPOConfig) -> str:
+    groups = "all_wrong" if config.strategy == "all_wrong" else "all"
+    return (
+        f"folr(alpha={config.alpha!r}, groups={groups!r}) | turn_position(ddof="
+        f"{config.std_ddof}, eps={config.eps!r}, padding={config.padding!r})"
     )
 
 
@@ -225,5 +238,6 @@ ESTIMATORS = (
         TSPOConfig,
         ("group_id", "outcome_reward", "turns", "turn_contains_gold"),
         "first-occurrence latent reward, per-turn group normalization (TSPO)",
+        composition=tspo_composition,
     ),
 )

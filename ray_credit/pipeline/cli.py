@@ -8,17 +8,18 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from ray_credit.log import log
 from ray_credit.pipeline.configs import EMBEDDED_CONFIG, load_config
 from ray_credit.pipeline.recipe import train
 
-__all__ = ["failure_summary", "main", "run_config_class"]
+__all__ = ["composed_estimator", "failure_summary", "main", "run_config_class"]
 
 
 def main(
     cls: type,
-    estimator: str,
+    estimator: str | None,
     doc: str,
     *,
     default_config: str | Path | None = EMBEDDED_CONFIG,
@@ -29,11 +30,15 @@ def main(
     """What a pipeline script runs: :func:`~ray_credit.pipeline.configs.load_config`
     (``default_config``: the YAML file when no ``--config`` is given; None: the config
     classes' defaults), then :func:`~ray_credit.pipeline.recipe.train` with any extra
-    ``stages`` (before the estimator) and ``stages_after`` (after it)."""
+    ``stages`` (before the estimator) and ``stages_after`` (after it). ``estimator`` None:
+    the composition of parts the run config's ``estimator`` setting writes
+    (``pipelines/compose.py --estimator "folr + 0.3*info_gain | turn_position"``)."""
     from ray_credit.config import InputError
 
     prog = Path(sys.argv[0]).name
     try:
+        if estimator is None:
+            estimator = composed_estimator(cls, argv, default_config)
         cfg = load_config(cls, estimator, argv, doc=doc, default_config=default_config)
     except InputError as err:  # the user's to fix: one line, as argparse's errors
         raise SystemExit(f"{prog}: error: {err}") from None
@@ -103,3 +108,63 @@ def run_config_class(script: str | os.PathLike[str], name: str) -> type:
         sys.modules[module_name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[module_name])
     return getattr(sys.modules[module_name], name)
+
+
+def composed_estimator(
+    cls: type,
+    argv: Sequence[str] | None = None,
+    default_config: str | Path | None = EMBEDDED_CONFIG,
+) -> Any:
+    """The estimator a run config's ``estimator`` setting writes, a composition of parts
+    or a registered estimator's name, read as the run's settings will be (the flag, else
+    the run ``--resume`` continues, else ``--config``'s file, else the class's default),
+    so that the recipe its parts declare becomes the run's defaults. A composition that
+    cannot work is refused here, before Ray starts, with the reason."""
+    import argparse
+
+    import yaml
+
+    from ray_credit.config import InputError
+    from ray_credit.estimators import get_estimator
+    from ray_credit.estimators.compose import CompositionError, compose, is_composition
+    from ray_credit.pipeline.configs import _resumed_settings
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--estimator")
+    first.add_argument("--config")
+    known, _ = first.parse_known_args(argv)
+    text, source = known.estimator, "--estimator"
+    if text is None:
+        resumed = _resumed_settings(argv) or {}
+        text, source = resumed.get("estimator"), "the resumed run's estimator"
+    config_file = known.config or default_config
+    if text is None and config_file is not None and Path(config_file).is_file():
+        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+        text, source = loaded.get("estimator"), f"{config_file}'s estimator"
+    if text is None:
+        text, source = cls().estimator, "the estimator setting's default"
+    if not isinstance(text, str):
+        raise InputError(f"{source} is a composition of parts as text, got {text!r}")
+    try:
+        if is_composition(text):
+            return compose(text)
+        paper = get_estimator(text)  # a paper's name: its composition, with its recipe
+        if paper.composition is None or paper.composition(paper.config_cls()) is None:
+            raise InputError(f"{source} {text!r} has no composition of parts")
+        return compose(
+            paper.composition(paper.config_cls()),
+            learner=paper.learner,
+            description=f"{text} as parts: {paper.description}",
+        )
+    except CompositionError as err:
+        raise InputError(f"{source} {text!r}: {err}") from None
+    except KeyError:
+        from ray_credit.estimators import ESTIMATORS
+        from ray_credit.estimators.parts import PARTS
+
+        raise InputError(
+            f'{source} {text!r} is neither a composition of parts (e.g. "outcome + '
+            f"0.5*folr | turn_position\"; parts: {', '.join(PARTS)}) nor an estimator's "
+            f"name ({', '.join(ESTIMATORS)})"
+        ) from None

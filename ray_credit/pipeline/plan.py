@@ -18,7 +18,8 @@ run:
 * :meth:`Plan.stages` builds the per-chunk stage list from the plan and the services
   that compute the signals (a judge pool, an info-gain scorer).
 
-A run config carries the estimator's config in a section named after the estimator, and
+A run config carries the estimator's config in a section named after the estimator (a
+composition of parts has none: its settings are in its text, the ``estimator`` setting), and
 the settings of a signal that has any in a section named after the signal
 (``cw_grpo_judgement.skip_failed``, ``info_gain.mode``).
 """
@@ -146,7 +147,10 @@ def make_plan(
                 f"{config.pipeline.weight_sync!r} broadcasts to generators only: use "
                 "--pipeline.weight_sync object_store"
             )
-    estimator_config = getattr(config, est.name, None)
+    if dataclasses.fields(est.config_cls):
+        estimator_config = getattr(config, est.name, None)
+    else:  # no settings (a composition: they are in its text), no section
+        estimator_config = est.config_cls()
     if not isinstance(estimator_config, est.config_cls):
         raise InputError(
             f"{type(config).__name__} needs a section '{est.name}: {est.config_cls.__name__}' "

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ray_credit.pipeline import checkpoints, resolve_checkpoint
@@ -331,3 +332,33 @@ def test_eval_scores_every_question_of_a_question_file(ray_cluster, tmp_path):
     result = json.loads(result_file.read_text())
     assert result["split"] == "all" and result["questions"] == 53
     assert len(result["correct"]) == 53
+
+
+@pytest.mark.e2e  # two trainings with a judge and an info-gain scorer: the second command
+@pytest.mark.slow
+def test_two_compositions_no_paper_ran_train_through_the_pipeline(ray_cluster, tmp_path):
+    """pipelines/compose.py --estimator TEXT, as users run it: CW-GRPO's judged
+    contribution over TSPO's latent reward plus the outcome (the judge runs as a stage),
+    and TSPO's latent reward plus A²TGPO's information-gain term (the scorer runs as a
+    stage); each trains, its parts' counters are in the step's metrics, and the summary
+    names the composition and keeps the recipe (no departure)."""
+    compositions = {
+        "judged": "outcome + 0.5*folr(groups='all') | turn_position | contribution",
+        "gain": "(folr | turn_position) + 0.3*(info_gain(mode='log_prob_diff') | "
+        "turn_position(padding='none') | rescaled_sum)",
+    }
+    for name, text in compositions.items():
+        args = [*SMALL, "--pipeline.steps", "1", "--output_dir", str(tmp_path), "--wandb",
+                "disabled", "--eval.enabled", "false", "--name", name, "--estimator", text]  # fmt: skip
+        run("compose.py", args, ray_cluster)
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["estimator"] == text and summary["departures"] == []
+        last = summary["final_step_metrics"]
+        assert np.isfinite(last["learner/loss"]) and last["gen/turns"] > 0
+        assert "folr/partial_reward_turns" in last
+        if name == "judged":
+            assert last["time/stage_cw_grpo_judgement_s"] > 0  # the judge ran as a stage
+            assert "contribution/redistributed_trajs" in last
+        else:
+            assert last["scorer/forward_rows"] > 0
+            assert summary["config"]["info_gain"]["mode"] == "log_prob_diff"

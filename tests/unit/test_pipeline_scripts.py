@@ -459,3 +459,42 @@ def test_user_stages_go_around_the_estimator_and_are_departures():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="stages takes functions batch -> batch, got 3"):
         make_plan(TSPORun(), "tspo", questions, stages=[3])
+
+
+def test_a_composition_brings_its_parts_recipe_and_is_read_like_any_setting(tmp_path, capsys):
+    """pipelines/compose.py: the --estimator flag, else --config's file, else the default;
+    its parts' signals become the plan's stages and their learner settings the defaults;
+    a paper's name runs its composition with its recipe; a composition that cannot work
+    is one line naming the reason, before Ray."""
+    from ray_credit.pipeline.cli import composed_estimator, main
+    from ray_credit.pipeline.configs import load_config
+    from ray_credit.pipeline.plan import make_plan
+
+    run = load("compose.py", "ComposeRun")
+    questions = [{"question": "q?", "golden_answers": ["a"], "supporting_doc_ids": ["d"]}]
+    text = "0.3*(info_gain | turn_position(padding='none')) + (outcome | group) | adaptive_clip"
+    argv = ["--estimator", text]
+    est = composed_estimator(run, argv)
+    cfg = load_config(run, est, argv, default_config=EMBEDDED)
+    assert cfg.estimator == est.name == text and cfg.learner.loss.ratio_level == "turn"
+    plan = make_plan(cfg, est, questions)
+    assert [s.name for s in plan.signals] == ["info_gain"] and plan.departures == ()
+    judged = composed_estimator(run, ["--estimator", "folr | turn_position | contribution"])
+    plan = make_plan(load_config(run, judged, [], default_config=EMBEDDED), judged, questions)
+    assert [s.name for s in plan.signals] == ["cw_grpo_judgement"]
+
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text('estimator: "outcome | leave_one_out"\n')
+    assert composed_estimator(run, ["--config", str(yaml_file)]).name == "outcome | leave_one_out"
+    assert composed_estimator(run, []).name == run().estimator  # the script's default
+    igpo = composed_estimator(run, ["--estimator", "igpo"])  # a paper's name: its parts
+    assert igpo.name == "info_gain + outcome(at='last') | group_turns | discount"
+    assert igpo.learner == {"kl_coef": 1e-3} and igpo.signals == {
+        "info_gain": {"mode": "prob_diff"}
+    }
+
+    for bad, says in (("folr | group", "one value per trajectory"),
+                      ("outcome | contribution", "normalize the rewards first")):  # fmt: skip
+        with pytest.raises(SystemExit) as err:
+            main(run, None, "doc", argv=["--estimator", bad])
+        assert "error: --estimator" in str(err.value) and says in str(err.value)

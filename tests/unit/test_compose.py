@@ -1,0 +1,215 @@
+"""Credit as parts: every paper estimator equals its composition of parts, compositions
+read the same as text and in Python, and a composition that cannot work is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_credit.estimators import ESTIMATORS, get_estimator
+from ray_credit.estimators.compose import CompositionError, P, compose, parse
+from ray_credit.testing import make_batch, random_batch
+from tests.unit import test_a2tgpo, test_cw_grpo, test_gigpo, test_igpo, test_search_p1
+
+GRPO_KNOBS = [{}, {"std_ddof": 0}, {"norm_by_std": False}, {"singleton_policy": "center"},
+              {"eps": 0.1}]  # fmt: skip
+TSPO_KNOBS = [
+    {},
+    {"strategy": "all_groups"},
+    {"alpha": 0.5, "std_ddof": 1},
+    {"strategy": "all_groups", "padding": "none", "alpha": 0.3},
+    {"padding": "none", "std_ddof": 1},
+    {"eps": 0.05, "alpha": 0.0},
+]
+
+
+def _configs():
+    """(estimator, config, batch maker) for every knob set the estimators' tests use."""
+    plain = "plain"
+    cases = [("grpo", k, plain) for k in GRPO_KNOBS]
+    cases += [("dr_grpo", {}, plain), ("rloo", {}, plain),
+              ("rloo", {"singleton_policy": "center"}, plain)]  # fmt: skip
+    cases += [("tspo", k, plain) for k in TSPO_KNOBS]
+    cases += [("igpo", k, plain) for k in test_igpo.CONFIGS]
+    cases += [("a2tgpo", k, plain) for k in test_a2tgpo.CONFIGS]
+    cases += [("a2tgpo", {"norm_mode": m, "gamma": 0.8}, plain) for m in ("joint", "separate")]
+    cases += [("cw_grpo", k, plain) for k in test_cw_grpo.CONFIGS]
+    cases += [("search_p1", k, "messy") for k in test_search_p1.CONFIGS]
+    cases += [("gigpo", cfg, "anchors") for cfg in test_gigpo.CONFIGS]
+    return cases
+
+
+def _batch(kind: str, seed: int):
+    if kind == "messy":
+        return test_search_p1.messy_batch(seed)
+    if kind == "anchors":
+        return test_gigpo.gigpo_random_batch(
+            seed, num_groups=12, group_size=5, max_turns=5, singleton_frac=0.2
+        )
+    layouts = [  # ragged and equal-size groups, binary and graded rewards, many nulls, 1 turn
+        dict(num_groups=12, group_size=5, max_turns=6, singleton_frac=0.2, null_frac=0.15),
+        dict(num_groups=12, singleton_frac=0.0, binary_reward=False),
+        dict(num_groups=10, group_size=4, max_turns=6, null_frac=0.3, binary_reward=False),
+        dict(num_groups=8, group_size=3, max_turns=1),
+    ]
+    return random_batch(seed, **layouts[seed % len(layouts)])
+
+
+CASES = _configs()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "name,params,kind", CASES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(CASES)]
+)
+def test_every_paper_estimator_equals_its_composition(name, params, kind, seed):
+    est = get_estimator(name)
+    config = params if not isinstance(params, dict) else est.config_cls(**params)
+    text = est.composition(config)
+    if text is None:  # GiGPO's per-row episode scores without cross-step statistics
+        assert name == "gigpo" and not config.cross_steps and config.invalid_action_penalty
+        return
+    batch = _batch(kind, seed)
+    want = est(batch, config=config)
+    got = compose(text)(batch)
+    np.testing.assert_allclose(
+        got.turn_values("turn_advantages"), want.turn_values("turn_advantages"),
+        rtol=1e-6, atol=1e-6, err_msg=text,
+    )  # fmt: skip
+    want_clip = (
+        want.turn_values("turn_clip_scale") if "turn_clip_scale" in want
+        else np.ones(batch.num_turns)
+    )  # fmt: skip
+    got_clip = (
+        got.turn_values("turn_clip_scale") if "turn_clip_scale" in got
+        else np.ones(batch.num_turns)
+    )  # fmt: skip
+    np.testing.assert_allclose(got_clip, want_clip, rtol=1e-6, atol=1e-6, err_msg=text)
+
+
+def test_the_paper_compositions_read_back_as_they_print():
+    for est in ESTIMATORS.values():
+        text = str(parse(est.composition(est.config_cls())))
+        assert str(parse(text)) == text and parse(text) == parse(est.composition(est.config_cls()))
+    assert str(parse(ESTIMATORS["tspo"].composition(ESTIMATORS["tspo"].config_cls()))) == (
+        "folr | turn_position"
+    )
+
+
+def test_python_and_text_write_the_same_composition():
+    text = "outcome + 0.5*folr(alpha=0.5) + 0.3*info_gain | turn_position | contribution"
+    in_python = (
+        P.outcome + 0.5 * P.folr(alpha=0.5) + 0.3 * P.info_gain | P.turn_position | P.contribution
+    )
+    assert parse(text) == in_python and str(in_python) == text
+    est = compose(in_python)
+    assert est.name == text and est.group_local
+    assert est.signals == {"info_gain": {"mode": "prob_diff"}, "cw_grpo_judgement": {}}
+    assert {"turn_contains_gold", "turn_info_gain", "judge_utility"} <= set(est.requires)
+    summed = "(folr | turn_position) - 0.25*(info_gain | turn_position(padding=none)) | discount"
+    assert str(parse(summed)) == (
+        "(folr | turn_position) - 0.25*(info_gain | turn_position(padding='none')) | discount"
+    )
+    assert parse(summed) == parse(str(parse(summed)))
+
+
+def test_a_composition_of_parts_runs_each_part():
+    """folr + outcome under turn_position, then the judged contribution: on a batch the
+    composition's advantage is turn_position's over the summed rewards, times CW-GRPO's
+    factors on the judged rounds."""
+    batch = random_batch(5, num_groups=10, group_size=4, max_turns=5, null_frac=0.0)
+    base = compose("outcome + 0.5*folr(groups=all) | turn_position")(batch)
+    weighted = compose("outcome + 0.5*folr(groups=all) | turn_position | contribution")(batch)
+    ratio = np.divide(
+        weighted.turn_values("turn_advantages"), base.turn_values("turn_advantages"),
+        out=np.ones(batch.num_turns), where=base.turn_values("turn_advantages") != 0,
+    )  # fmt: skip
+    # the final turns keep the advantage; the redistributed rounds of one trajectory sum
+    # to the number of its rounds (Design 3), every other turn has factor 1
+    assert np.allclose(ratio[batch.is_last_turn], 1.0)
+    assert not np.allclose(ratio, 1.0)
+    assert weighted.metrics["contribution/redistributed_trajs"] > 0
+    assert "turn_rewards" in base and "folr/partial_reward_turns" in base.metrics
+    rewards = base.turn_values("turn_rewards")
+    outcome = np.repeat(batch.traj_values("outcome_reward"), batch.turn_counts)
+    assert np.all((rewards == outcome) | (rewards == outcome + 0.5))  # alpha 1 on the lead
+
+
+def test_turn_level_credit_reaches_all_wrong_groups_where_grpo_gives_none():
+    # One all-wrong group: the trajectory that saw the gold gets credit for it.
+    rows = [
+        {"group_id": "g", "traj_id": f"t{i}", "reward": 0.0, "turns": 3,
+         "turn_contains_gold": [False, i == 0, False]}
+        for i in range(4)
+    ]  # fmt: skip
+    batch = make_batch(rows)
+    assert not compose("outcome | group")(batch).turn_values("turn_advantages").any()
+    adv = compose("outcome + 0.5*folr | turn_position")(batch).turn_values("turn_advantages")
+    by_turn = adv.reshape(4, 3)  # turns 1-2: the one that saw the gold above the others
+    assert by_turn[0, :2].min() > 0 and by_turn[1:, :2].max() < 0
+    assert not by_turn[:, 2].any()  # after the gold every trajectory has 0 again
+
+
+def test_a_composition_is_group_local():
+    text = "(folr | turn_position) + 0.3*(info_gain | turn_position(padding=none)) | contribution"
+    est = compose(text)
+    batch = random_batch(9, num_groups=8, group_size=4, max_turns=5)
+    whole = est(batch).turn_values("turn_advantages")
+    half = batch.group_starts[4]
+    first = batch.table.slice(0, int(half))
+    rest = batch.table.slice(int(half))
+    from ray_credit.batch import TrajectoryBatch
+
+    parts = [
+        est(TrajectoryBatch.from_table(t)).turn_values("turn_advantages") for t in (first, rest)
+    ]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("folr | group", "one value per trajectory"),
+        ("info_gain | turn_position", "padding='none'"),
+        ("outcome", "has no normalizer"),
+        ("outcome | group | group", "normalized already"),
+        ("outcome + (outcome | group)", "not rewards to advantages"),
+        ("outcome | contribution", "normalize the rewards first"),
+        ("outcome | group | adaptive_clip", "reads the normalized info_gain term"),
+        ("outcome | group | contribution | contribution", "twice"),
+        ("outcome | discount", "put a normalizer before it"),
+        ("group | outcome", "goes after a '|'"),
+        ("outcome | folr", "after '|' comes a normalizer"),
+        ("outcme | group", "unknown part 'outcme'"),
+        ("folr(beta=1) | turn_position", "no setting 'beta'"),
+        ("folr(alpha=2) | turn_position", "alpha is a partial reward"),
+        ("folr(1) | turn_position", "given by name"),
+        ("__import__('os').system('true') | group", "not part of a composition"),
+        ("outcome | group(ddof=x.y)", "a setting's value"),
+        ("folr * info_gain | turn_position", "multiplies a part by one number"),
+        ("outcome + 2 | group", "stands only as a weight"),
+        ("outcome | ", "cannot read the composition"),
+        (
+            "(info_gain(mode=prob_diff) | turn_position(padding=none)) + "
+            "(info_gain(mode=log_prob_diff) + outcome | group_turns)",
+            "wants the info_gain signal with mode='log_prob_diff'",
+        ),
+        ("outcome(at=last) + info_gain | anchor_state", "leaves turns without one"),
+    ],
+)
+def test_a_composition_that_cannot_work_is_refused_with_the_reason(text, says):
+    with pytest.raises(CompositionError, match=None) as err:
+        compose(text)
+    assert says in str(err.value), str(err.value)
+
+
+def test_learner_settings_follow_from_the_parts_and_conflicts_are_refused():
+    est = compose(
+        "0.3*(info_gain | turn_position(padding=none)) + (outcome | group) | adaptive_clip"
+    )
+    assert est.learner == {
+        "loss.ratio_level": "turn",
+        "loss.clip_low": 3e-3,
+        "loss.clip_high": 4e-3,
+    }
+    assert compose("outcome | group", learner={"kl_coef": 1e-3}).learner == {"kl_coef": 1e-3}
