@@ -7,13 +7,17 @@
     python bench/learning.py --methods tspo --set learner.lr=3e-5 --runs-dir runs/lr3e-5 \
         --against runs/study/runs.jsonl             # a setting against the study's runs
     python bench/learning.py --methods grpo --against runs/tspo/runs.jsonl --against-method tspo
+    python bench/learning.py --config pipelines/configs/sparse.yaml \
+        --compose "tspo_ig=(folr | turn_position) + 0.3*(info_gain | turn_position(padding=none))"
 
 Each (method, seed) is one training run of ``pipelines/<method>.py`` on its paper's
-recipe, with the embedded settings (``ray_credit/configs/embedded.yaml``) plus any
-``--set section.field=value``, and ``--pipeline.seed``, ``--generator.seed`` and
+recipe, with the embedded settings (``ray_credit/configs/embedded.yaml``, or ``--config``'s
+file) plus any ``--set section.field=value``, and ``--pipeline.seed``, ``--generator.seed`` and
 ``--learner.seed`` set to the seed (the seed also picks the held-out split, so a seed's
 runs of every method are evaluated on the same questions). Judged methods use the
 evidence judge, which needs no model. All runs share one local Ray (or RAY_ADDRESS's).
+``--compose NAME=COMPOSITION`` adds a method of your own: a composition of credit parts
+(docs/estimators.md) trained by ``pipelines/compose.py``, its parts' recipe included.
 
 Reports, per method: held-out EM after training across seeds (mean, std and a 95 %
 t-interval; 1-hop and 2-hop apart), its change from before training (mean of the
@@ -81,7 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=None, help="default: every paper's, then --compose's")
+    parser.add_argument(
+        "--compose", action="append", default=[], metavar="NAME=COMPOSITION",
+        help="a method of your own (repeatable): a composition of credit parts, e.g. "
+        "'tspo_ig=(folr | turn_position) + 0.3*(info_gain | turn_position(padding=none))'",
+    )  # fmt: skip
+    parser.add_argument(
+        "--config", type=Path, default=EMBEDDED, metavar="FILE.yaml",
+        help="the settings every run starts from (default: the embedded run's)",
+    )  # fmt: skip
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument(
         "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -107,10 +120,26 @@ def main(argv: list[str] | None = None) -> int:
         "AdamW's state); by default it is deleted once the run is recorded",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(METHODS))
+    composed = {}
+    for item in args.compose:
+        name, _, text = item.partition("=")
+        if not name.isidentifier() or not text.strip() or name in METHODS:
+            parser.error(
+                f"--compose takes NAME=COMPOSITION with a new name, got {item!r} (the papers' "
+                f"names are taken: {sorted(METHODS)})"
+            )
+        try:
+            composition_estimator(text)
+        except ValueError as err:
+            parser.error(f"--compose {name}: {err}")
+        composed[name] = text
+    known = {**METHODS, **composed}
+    methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
+    unknown = sorted(set(methods) - set(known))
     if unknown:
-        parser.error(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
+        parser.error(f"unknown methods {unknown}; choose from {sorted(known)} (or --compose)")
+    if not args.config.is_file():
+        parser.error(f"--config {args.config}: no such file")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
@@ -138,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
-        fingerprint = defaults_fingerprint()
+        fingerprint = defaults_fingerprint(args.config)
         done = recorded_runs(runs_dir / RECORD, settings, fingerprint)
     except ValueError as err:
         parser.error(str(err))
@@ -148,10 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:  # seed-major: an unfinished study has every method on its first seeds
         for method in methods:
             if (method, seed) in done:
+                if done[method, seed].get("estimator") != composed.get(method):
+                    parser.error(
+                        f"{runs_dir / RECORD} records {method} seed {seed} with the estimator "
+                        f"{done[method, seed].get('estimator')!r}, not {composed.get(method)!r}; "
+                        "give that method another name or another --runs-dir"
+                    )
                 print(f"{method} seed {seed}: reused from {runs_dir / RECORD}", flush=True)
                 runs[method].append(done[method, seed])
                 continue
-            run = run_one(method, seed, settings, runs_dir)
+            run = run_one(method, seed, settings, runs_dir, args.config, composed.get(method))
             with (runs_dir / RECORD).open("a") as record:
                 row = {"method": method, "settings": settings, "defaults": fingerprint}
                 record.write(json.dumps({**row, **run}) + "\n")
@@ -162,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "settings": settings,
+        "config": str(args.config),
+        "compositions": composed,
         "seeds": seeds,
         "methods": {m: aggregate(rs) for m, rs in runs.items()},
         "baseline": BASELINE if BASELINE in runs else None,
@@ -202,10 +239,19 @@ RECORD = "runs.jsonl"
 EMBEDDED = ROOT / "ray_credit" / "configs" / "embedded.yaml"  # what every run starts from
 
 
-def defaults_fingerprint() -> str:
-    """The embedded settings' fingerprint, kept with each recorded run: the same --set on
-    other embedded settings is another study (recorded runs are not reused across them)."""
-    return hashlib.sha256(EMBEDDED.read_bytes()).hexdigest()[:16]
+def defaults_fingerprint(config: Path = EMBEDDED) -> str:
+    """The fingerprint of the settings every run starts from (``--config``'s file), kept
+    with each recorded run: the same --set on other settings is another study (recorded
+    runs are not reused across them)."""
+    return hashlib.sha256(config.read_bytes()).hexdigest()[:16]
+
+
+def composition_estimator(text: str):
+    """The estimator a ``--compose`` composition writes (raises ValueError, saying why,
+    for one that cannot work)."""
+    from ray_credit.estimators.compose import compose
+
+    return compose(text)
 
 
 def recorded_runs(
@@ -264,14 +310,23 @@ def run_name(method: str, seed: int) -> str:
     return f"{method}-seed{seed}"
 
 
-def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict:
+def run_one(
+    method: str,
+    seed: int,
+    settings: list[str],
+    runs_dir: Path,
+    config: Path = EMBEDDED,
+    composition: str | None = None,
+) -> dict:
     """One training run; what the study keeps of it. A folder left by a run that did not
-    finish (it is not in the record) is cleared first: its metrics.jsonl is appended to."""
+    finish (it is not in the record) is cleared first: its metrics.jsonl is appended to.
+    ``composition``: the method is that composition of parts, trained by
+    ``pipelines/compose.py``."""
     from ray_credit.pipeline.cli import run_config_class
     from ray_credit.pipeline.configs import load_config
     from ray_credit.pipeline.recipe import train
 
-    script, cls_name = METHODS[method]
+    script, cls_name = ("compose.py", "ComposeRun") if composition else METHODS[method]
     run_cls = run_config_class(ROOT / "pipelines" / script, cls_name)
     argv = [
         "--name", run_name(method, seed), "--output_dir", str(runs_dir), "--wandb", "disabled",
@@ -282,14 +337,19 @@ def run_one(method: str, seed: int, settings: list[str], runs_dir: Path) -> dict
     for item in settings:
         key, value = item.split("=", 1)
         argv += [f"--{key}", value]
-    cfg = load_config(run_cls, method, argv, default_config=EMBEDDED)
+    estimator = method
+    if composition:
+        argv += ["--estimator", composition]
+        estimator = composition_estimator(composition)
+    cfg = load_config(run_cls, estimator, argv, default_config=config)
     stale = Path(cfg.output_dir).resolve() / cfg.name  # where train writes
     if stale.exists():
         print(f"{method} seed {seed}: {stale} is left from a run that did not finish; redone")
         shutil.rmtree(stale)
     start = time.perf_counter()
-    train(cfg, method)
-    return {"seed": seed, "seconds": time.perf_counter() - start, **collect(stale, method)}
+    train(cfg, estimator)
+    kept = {"estimator": composition} if composition else {}
+    return {"seed": seed, "seconds": time.perf_counter() - start, **kept, **collect(stale, method)}
 
 
 def collect(folder: Path, method: str) -> dict:
@@ -304,8 +364,10 @@ def collect(folder: Path, method: str) -> dict:
         if line.strip()
     ]
     before, after, change = summary["eval_before"], summary["eval_after"], summary["eval_change"]
-    prefix = f"{summary['estimator']}/"
-    counters = sorted({k for r in rows for k in r if k.startswith(prefix)})
+    from ray_credit.estimators.parts import PARTS
+
+    prefixes = (f"{summary['estimator']}/", *(f"{part}/" for part in PARTS))  # a composition's
+    counters = sorted({k for r in rows for k in r if k.startswith(prefixes)})
     return {
         "em_before": before["em"],
         "em_before_by_source": before["em_by_source"],

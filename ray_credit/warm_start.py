@@ -89,6 +89,10 @@ class WarmStartConfig:
     document it read (docs/learning.md)."""
     seed: int = 0
     """Order of the demonstrations, the questions picked and the detours."""
+    hops: tuple[int, ...] | None = None
+    """Demonstrate only training questions of these hop counts (None: any), e.g. ``[1]``:
+    the policy learns the protocol on 1-hop questions and meets longer ones only in RL,
+    where most of their groups are then all wrong (docs/learning.md)."""
     rl_questions: RLQuestions = "all"
     """Which training questions RL draws from after the warm-start: ``"all"``, or
     ``"undemonstrated"`` (those it did not demonstrate: it fits its demonstrations, so
@@ -112,15 +116,34 @@ class WarmStartConfig:
             raise ValueError(f"warm_start.lr must be a positive finite number, got {self.lr}")
         if not 0.0 <= self.detours <= 1.0:
             raise ValueError(f"warm_start.detours must lie in [0, 1], got {self.detours}")
+        if self.hops is not None and (not self.hops or min(self.hops) < 1):
+            raise ValueError(
+                f"warm_start.hops lists hop counts >= 1 (e.g. [1]), or is null for any; got "
+                f"{list(self.hops)}"
+            )
 
 
-def demonstrated(num_questions: int, cfg: WarmStartConfig) -> list[int]:
-    """Positions, in order, of the training questions the warm-start demonstrates (all of
-    them, or ``cfg.questions`` drawn with ``cfg.seed``)."""
-    if not cfg.questions or cfg.questions >= num_questions:
-        return list(range(num_questions))
-    pick = np.random.default_rng(cfg.seed).choice(num_questions, cfg.questions, replace=False)
-    return sorted(int(i) for i in pick)
+def demonstrated(questions: Sequence[Mapping[str, Any]] | int, cfg: WarmStartConfig) -> list[int]:
+    """Positions, in order, of the training questions the warm-start demonstrates: those
+    of ``cfg.hops`` (all without it), or ``cfg.questions`` of them drawn with ``cfg.seed``.
+    ``questions`` may be their number when ``cfg.hops`` is None."""
+    if isinstance(questions, int):
+        if cfg.hops is not None:
+            raise TypeError("demonstrated needs the questions (not their number) with hops")
+        eligible = list(range(questions))
+    elif cfg.hops is None:
+        eligible = list(range(len(questions)))
+    else:
+        eligible = [i for i, q in enumerate(questions) if q.get("hops") in cfg.hops]
+        if not eligible:
+            raise InputError(
+                f"warm_start.hops={list(cfg.hops)}: no training question has those hops "
+                f"(they have {sorted({q.get('hops') for q in questions}, key=str)})"
+            )
+    if not cfg.questions or cfg.questions >= len(eligible):
+        return eligible
+    pick = np.random.default_rng(cfg.seed).choice(len(eligible), cfg.questions, replace=False)
+    return sorted(eligible[int(i)] for i in pick)
 
 
 def rl_questions(questions: Sequence[Mapping[str, Any]], cfg: WarmStartConfig) -> list:
@@ -129,7 +152,7 @@ def rl_questions(questions: Sequence[Mapping[str, Any]], cfg: WarmStartConfig) -
     Raises InputError when that leaves none."""
     if not cfg.enabled or cfg.rl_questions == "all":
         return list(questions)
-    shown = set(demonstrated(len(questions), cfg))
+    shown = set(demonstrated(questions, cfg))
     rest = [q for i, q in enumerate(questions) if i not in shown]
     if not rest:
         raise InputError(
@@ -405,6 +428,10 @@ def warm_start(
 
     # where it is saved and what RL does after it are not how it is made
     made_with = {k: v for k, v in asdict(cfg).items() if k not in ("folder", "rl_questions")}
+    if made_with["hops"] is None:  # the fingerprint of a warm-start made before the setting
+        del made_with["hops"]
+    else:
+        made_with["hops"] = list(made_with["hops"])
     protocol = {k: getattr(gen, k) for k in _PROTOCOL_FIELDS}
     settings = {"model": model, "warm_start": made_with, "generator": protocol,
                 "questions": [q["question"] for q in questions],
@@ -426,7 +453,7 @@ def warm_start(
             "warm_start.folder to a new folder"
         )
     start = time.perf_counter()
-    chosen = [questions[i] for i in demonstrated(len(questions), cfg)]
+    chosen = [questions[i] for i in demonstrated(questions, cfg)]
     tokenizer = load_tokenizer(model)
     demos, counts = demonstrate(
         chosen, titles, tokenizer, retriever, gen, detours=cfg.detours, seed=cfg.seed

@@ -58,6 +58,10 @@ class WorldConfig:
     two_hop_fraction: float = 0.5
     """Share of the questions that need two documents; if the world has fewer 2-hop facts,
     1-hop questions fill the rest."""
+    three_hop_fraction: float = 0.0
+    """Share of the questions that need three documents, each naming the next (an
+    invention's inventor's birth city's country); neither of the first two holds the
+    answer. If the world has fewer 3-hop facts, 1-hop questions fill the rest."""
     namesake_fraction: float = 0.2
     """Share of people and cities named after another one (same given name, surname or
     city name differing in one syllable): retrieval by name alone picks the wrong one."""
@@ -93,10 +97,16 @@ class WorldConfig:
                 "country/city/organization/artifact fractions must be > 0 and sum to < 0.9 "
                 f"(people are the rest), got {kinds}"
             )
-        for name in ("two_hop_fraction", "namesake_fraction", "spouse_fraction"):
+        for name in ("two_hop_fraction", "three_hop_fraction", "namesake_fraction",
+                     "spouse_fraction"):  # fmt: skip
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.two_hop_fraction + self.three_hop_fraction > 1.0:
+            raise ValueError(
+                f"two_hop_fraction + three_hop_fraction must be <= 1 (1-hop questions are "
+                f"the rest), got {self.two_hop_fraction} + {self.three_hop_fraction}"
+            )
         if not 0.0 <= self.mentor_fraction <= 1.0 or self.event_doc_fraction < 0:
             raise ValueError(
                 "mentor_fraction must be in [0, 1] and event_doc_fraction >= 0, got "
@@ -110,7 +120,8 @@ class World:
 
     ``corpus``: ``{"id", "contents"}`` documents (title line, then text).
     ``questions``: ``{"id", "question", "golden_answers", "data_source"
-    ("synthetic_1hop" | "synthetic_2hop"), "supporting_doc_ids" (hop order), "hops",
+    ("synthetic_1hop" | "synthetic_2hop" | "synthetic_3hop"), "supporting_doc_ids" (hop
+    order), "hops",
     "reference_plan" (None: Search-P1's plans are made by the pipeline)}``.
     """
 
@@ -119,9 +130,10 @@ class World:
 
     def __repr__(self) -> str:
         hops = [q["hops"] for q in self.questions]
+        three = f", {hops.count(3)} 3-hop" if 3 in hops else ""
         return (
             f"World(docs={len(self.corpus)}, questions={len(self.questions)}: "
-            f"{hops.count(1)} 1-hop, {hops.count(2)} 2-hop)"
+            f"{hops.count(1)} 1-hop, {hops.count(2)} 2-hop{three})"
         )
 
     def split(self, *, eval_fraction: float = 0.1, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -716,15 +728,44 @@ _QUESTIONS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 )
 
 
+# Three relations: a 3-hop question, each document naming the entity the next one is
+# about. Asked only with WorldConfig.three_hop_fraction > 0 (their wordings draw from a
+# random stream of their own, so a world without them is the same as before they existed).
+_QUESTIONS_3HOP: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("artifact", ("inventor", "birth_city", "country"),
+     ("In which country was the inventor of the {x} born?",)),
+    ("organization", ("founder", "birth_city", "country"),
+     ("In which country was the founder of {x} born?",)),
+    ("person", ("spouse", "birth_city", "country"),
+     ("In which country was the spouse of {x} born?",)),
+    ("person", ("mentor", "birth_city", "country"),
+     ("In which country was the mentor of {x} born?",)),
+    ("organization", ("hq", "country", "capital"),
+     ("What is the capital of the country where {x} is headquartered?",)),
+    ("artifact", ("demo_city", "country", "capital"),
+     ("What is the capital of the country where the {x} was first demonstrated?",)),
+    ("person", ("birth_city", "country", "language"),
+     ("What language is spoken in the country where {x} was born?",)),
+    ("artifact", ("inventor", "spouse", "profession"),
+     ("What was the profession of the spouse of the inventor of the {x}?",)),
+    ("organization", ("founder", "spouse", "birth_year"),
+     ("In which year was the spouse of the founder of {x} born?",)),
+)  # fmt: skip
+
+
 def _candidates(
-    entities: dict[str, list[_Entity]], docs: dict[str, str], rng: random.Random
+    entities: dict[str, list[_Entity]],
+    docs: dict[str, str],
+    rng: random.Random,
+    templates: Sequence[tuple[str, tuple[str, ...], tuple[str, ...]]] = _QUESTIONS,
 ) -> list[dict]:
-    """Every question the world can answer, kept only if its text does not contain a gold
-    answer and (2-hop) its first document does not: the second hop must be needed."""
+    """Every question of ``templates`` the world can answer, kept only if its text does
+    not contain a gold answer and (2- and 3-hop) no document before the last does: every
+    hop must be needed."""
     from ray_credit.qa import normalize_answer
 
     out = []
-    for kind, path, wordings in _QUESTIONS:
+    for kind, path, wordings in templates:
         for subject in entities[kind]:
             chain, value = [subject], subject
             for relation in path:
@@ -739,7 +780,8 @@ def _candidates(
             normalized, asked = [normalize_answer(g) for g in golds], normalize_answer(question)
             if any(g in asked for g in normalized):
                 continue
-            if len(path) == 2 and any(g in docs[subject.doc_id] for g in normalized):
+            before_last = [docs[e.doc_id] for e in chain[: len(path) - 1]]
+            if any(g in doc for doc in before_last for g in normalized):
                 continue
             out.append(
                 {
@@ -818,9 +860,16 @@ def make_world(config: WorldConfig | None = None, **overrides: Any) -> World:
     rng = random.Random(f"ray_credit-questions-{config.seed}")
     candidates = _candidates(entities, normalized_docs, rng)
     by_hops = [[c for c in candidates if c["hops"] == hops] for hops in (1, 2)]
+    three: list[dict] = []
+    if config.three_hop_fraction > 0:  # a stream of their own: see _QUESTIONS_3HOP
+        rng3 = random.Random(f"ray_credit-questions-3hop-{config.seed}")
+        by_three = _candidates(entities, normalized_docs, rng3, _QUESTIONS_3HOP)
+        n_three = min(len(by_three), round(config.num_questions * config.three_hop_fraction))
+        three = _spread_sample(rng3, by_three, n_three)
     n_two = min(len(by_hops[1]), round(config.num_questions * config.two_hop_fraction))
-    n_one = min(len(by_hops[0]), config.num_questions - n_two)
+    n_one = min(len(by_hops[0]), config.num_questions - n_two - len(three))
     questions = _spread_sample(rng, by_hops[0], n_one) + _spread_sample(rng, by_hops[1], n_two)
+    questions += three
     rng.shuffle(questions)
     for q in questions:
         del q["template"]

@@ -61,7 +61,7 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
 
     calls = []
 
-    def fake_run(method, seed, settings, runs_dir):
+    def fake_run(method, seed, settings, runs_dir, config=None, composition=None):
         calls.append((method, seed))
         if len(calls) == 3 and fail["now"]:
             raise RuntimeError("machine lost")
@@ -71,7 +71,8 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
                 "em_change": change, "em_change_by_source": {"1hop": change},
                 "searches_before": 1.0, "searches_after": 1.5, "reward": [0.1, 0.2],
                 "groups_all_wrong": [0.5, 0.5], "groups_zero_advantage": [0.5, 0.5],
-                "estimator_counters": {}}  # fmt: skip
+                "estimator_counters": {},
+                **({"estimator": composition} if composition else {})}  # fmt: skip
 
     fail = {"now": True}
     monkeypatch.setattr(learning, "run_one", fake_run)
@@ -101,7 +102,7 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
         learning.main([*argv[:-4], "--set", "pipeline.steps=3", *argv[-4:]])
     assert "give the same --set" in capsys.readouterr().err
     # the same --set on other embedded settings (embedded.yaml edited since) is another study
-    monkeypatch.setattr(learning, "defaults_fingerprint", lambda: "0123456789abcdef")
+    monkeypatch.setattr(learning, "defaults_fingerprint", lambda config: "0123456789abcdef")
     with pytest.raises(SystemExit):
         learning.main(argv)
     assert "recorded from other embedded settings" in capsys.readouterr().err
@@ -116,6 +117,53 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         learning.main([*argv, "--set", "name=x"])
     assert "the study names and places its runs" in capsys.readouterr().err
+
+
+def test_a_study_trains_compositions_of_its_own_on_a_config_of_its_own(tmp_path, monkeypatch,
+                                                                      capsys):  # fmt: skip
+    """--compose NAME=TEXT adds a method (recorded with its composition: the same name with
+    another composition is refused, not reused); --config's file is what every run starts
+    from, and its fingerprint keeps other settings' runs apart; a composition that cannot
+    work is refused before any run."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+
+    seen = []
+
+    def fake_run(method, seed, settings, runs_dir, config=None, composition=None):
+        seen.append((method, config.name, composition))
+        change = {"diff": 0.0, "low": -1, "high": 1}
+        return {"seed": seed, "seconds": 1.0, "em_before": 0.5, "em_after": 0.5,
+                "em_before_by_source": {"3hop": 0.5}, "em_after_by_source": {"3hop": 0.5},
+                "em_change": change, "em_change_by_source": {"3hop": change},
+                "searches_before": 1.0, "searches_after": 1.0, "reward": [0.1],
+                "groups_all_wrong": [0.6], "groups_zero_advantage": [0.6],
+                "estimator_counters": {},
+                **({"estimator": composition} if composition else {})}  # fmt: skip
+
+    monkeypatch.setattr(learning, "run_one", fake_run)
+    monkeypatch.setattr(learning, "plot_curves", lambda report, path: path.write_text("png"))
+    sparse = ROOT / "pipelines" / "configs" / "sparse.yaml"
+    argv = ["--config", str(sparse), "--seeds", "0", "--methods", "grpo,mine",
+            "--compose", "mine=outcome + 0.5*folr | turn_position",
+            "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "l.json")]  # fmt: skip
+    assert learning.main(argv) == 0
+    assert seen == [("grpo", "sparse.yaml", None),
+                    ("mine", "sparse.yaml", "outcome + 0.5*folr | turn_position")]  # fmt: skip
+    report = json.loads((tmp_path / "l.json").read_text())
+    assert report["compositions"] == {"mine": "outcome + 0.5*folr | turn_position"}
+    assert report["methods"]["mine"]["vs_baseline"]["all"] is None  # no per-question data
+    other = [a if a != "mine=outcome + 0.5*folr | turn_position" else "mine=outcome | group"
+             for a in argv]  # fmt: skip
+    with pytest.raises(SystemExit):
+        learning.main(other)
+    assert "give that method another name" in capsys.readouterr().err
+    for bad, says in (("mine=folr | group", "one value per trajectory"),
+                      ("grpo=outcome | group", "the papers' names are taken")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            learning.main([*argv[:7], bad, *argv[8:]])
+        assert says in capsys.readouterr().err
+    assert learning.defaults_fingerprint(sparse) != learning.defaults_fingerprint()
 
 
 def test_pooled_changes_pair_by_seed_and_question():
@@ -150,7 +198,7 @@ def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch
     sys.path.insert(0, str(ROOT / "bench"))
     import learning
 
-    def fake_run(method, seed, settings, runs_dir):
+    def fake_run(method, seed, settings, runs_dir, config=None, composition=None):
         lr = settings[0]  # the second study's setting gets one more question of four right
         after = [1, 0, 0, 1] if lr == "learner.lr=1e-5" else [1, 1, 0, 1]
         keys = [f"q{i}" for i in range(4)]
@@ -162,7 +210,8 @@ def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch
                 "correct_after": dict(zip(keys, after, strict=True)),
                 "source": dict.fromkeys(keys, "1hop"), "reward": [0.1],
                 "groups_all_wrong": [0.5], "groups_zero_advantage": [0.5],
-                "estimator_counters": {}}  # fmt: skip
+                "estimator_counters": {},
+                **({"estimator": composition} if composition else {})}  # fmt: skip
 
     monkeypatch.setattr(learning, "run_one", fake_run)
     monkeypatch.setattr(learning, "plot_curves", lambda report, path: path.write_text("png"))

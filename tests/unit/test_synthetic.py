@@ -207,3 +207,25 @@ def test_config_values_of_the_wrong_type_or_not_finite_name_the_field(overrides,
 def test_make_world_takes_a_world_config():
     with pytest.raises(TypeError, match=r"make_world takes a WorldConfig .*got dict"):
         make_world({"seed": 3})
+
+
+def test_three_hop_questions_need_every_hop_and_leave_other_worlds_unchanged():
+    from ray_credit.qa import normalize_answer
+
+    plain = make_world(num_entities=120)
+    world = make_world(num_entities=120, two_hop_fraction=0.3, three_hop_fraction=0.3)
+    three = [q for q in world.questions if q["hops"] == 3]
+    assert three and "3-hop" in repr(world) and "3-hop" not in repr(plain)
+    assert {q["data_source"] for q in three} == {"synthetic_3hop"}
+    docs = {d["id"]: normalize_answer(d["contents"]) for d in world.corpus}
+    for q in three:
+        first, second, last = q["supporting_doc_ids"]
+        golds = [normalize_answer(g) for g in q["golden_answers"]]
+        assert len({first, second, last}) == 3
+        assert not any(g in docs[first] or g in docs[second] for g in golds), q["question"]
+        assert any(g in docs[last] for g in golds), q["question"]
+    # the 1- and 2-hop questions the fraction leaves are drawn as before
+    two = {q["question"] for q in world.questions if q["hops"] == 2}
+    assert two <= {q["question"] for q in plain.questions if q["hops"] == 2}
+    with pytest.raises(ValueError, match="two_hop_fraction \\+ three_hop_fraction"):
+        make_world(two_hop_fraction=0.6, three_hop_fraction=0.5)

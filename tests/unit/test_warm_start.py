@@ -255,3 +255,18 @@ def test_a_warm_start_of_every_question_leaves_rl_none_and_says_what_to_set():
 def test_warm_start_config_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         WarmStartConfig(**{field: value})
+
+
+def test_the_warm_start_demonstrates_only_the_hops_it_is_given():
+    questions = [{"question": f"q{i}", "hops": 1 + i % 3} for i in range(60)]
+    one_hop = demonstrated(questions, WarmStartConfig(hops=(1,)))
+    assert one_hop == [i for i in range(60) if i % 3 == 0]
+    drawn = demonstrated(questions, WarmStartConfig(hops=(1, 2), questions=10, seed=2))
+    assert len(drawn) == 10 and all(questions[i]["hops"] in (1, 2) for i in drawn)
+    rest = rl_questions(questions, WarmStartConfig(enabled=True, hops=(1,),
+                                                   rl_questions="undemonstrated"))  # fmt: skip
+    assert len(rest) == 40 and all(q["hops"] > 1 for q in rest)
+    with pytest.raises(InputError, match="no training question has those hops"):
+        demonstrated(questions, WarmStartConfig(hops=(4,)))
+    with pytest.raises(ValueError, match="hop counts >= 1"):
+        WarmStartConfig(hops=(0,))
