@@ -168,7 +168,10 @@ class Logger:
         elapsed = time.perf_counter() - self.started
         log.info(
             f"step {int(row['pipeline/step'])}/{total}  reward {row.get('train/reward_mean', 0):.3f}  "
-            f"EM {row.get('train/em', 0):.3f}  loss {row.get('learner/loss', 0):+.4f}  "
+            f"EM {row.get('train/em', 0):.3f}  "
+            f"all-wrong {row.get('train/groups_all_wrong', 0):.0%} of groups, "
+            f"zero-adv {row.get('train/groups_zero_advantage', 0):.0%}  "
+            f"loss {row.get('learner/loss', 0):+.4f}  "
             f"kl {row.get('learner/approx_kl', 0):.2e}  stale≤{int(row.get('staleness/max', 0))}  "
             f"gen {row.get('gen/tokens_per_s', 0):.0f} tok/s  step {row.get('time/step_s', 0):.0f}s  "
             f"[{elapsed / 60:.1f} min]",
