@@ -12,7 +12,10 @@ beforehand and not timed). Both sides take the minimum, as timeit advises: slowe
 repeats measure interference from the rest of the machine, not the code. The garbage
 collector is paused while timing, as in timeit. Prints turns/s, the speedup ratio and the max abs difference of the two
 outputs, and writes JSON. Targets (DESIGN.md section 8): >= 30x the reference for every
-estimator, >= 2 M turns/s for grpo and tspo.
+estimator, >= 2 M turns/s for grpo and tspo. Each estimator's composition of parts
+(``Estimator.composition``, what ``pipelines/compose.py`` runs) is timed the same way on
+the same batch: its turns/s, its time over the fused estimator's, and its max abs
+difference from it (no target: the cost of writing credit as parts).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from ray_credit.batch import TrajectoryBatch  # noqa: E402
 from ray_credit.estimators import ESTIMATORS  # noqa: E402
+from ray_credit.estimators.compose import compose  # noqa: E402
 from ray_credit.testing import random_batch  # noqa: E402
 
 SPEEDUP_TARGET = 30.0
@@ -90,7 +94,8 @@ def main() -> int:
     )
     print(f"batch: {len(batch)} trajectories, {batch.num_groups} groups, {batch.num_turns} turns")
     print(
-        f"{'estimator':<10} {'turns/s':>12} {'ref turns/s':>12} {'speedup':>9} {'max|diff|':>10}  targets"
+        f"{'estimator':<10} {'turns/s':>12} {'ref turns/s':>12} {'speedup':>9} {'max|diff|':>10}"
+        f" {'parts turns/s':>14} {'parts/fused':>11} {'parts diff':>10}  targets"
     )
 
     results, ok = [], True
@@ -107,6 +112,22 @@ def main() -> int:
                 out = estimator(cold, config)
                 times.append(time.perf_counter() - start)
         vectorized = min(times)
+        composed = compose(estimator.composition(config))
+        composed(batch)  # warm-up
+        parts_times = []
+        with gc_paused():
+            for _ in range(args.repeats):
+                cold = TrajectoryBatch(batch.table, validate=False)
+                start = time.perf_counter()
+                parts_out = composed(cold)
+                parts_times.append(time.perf_counter() - start)
+        parts = min(parts_times)
+        parts_diff = float(
+            np.abs(
+                parts_out.turn_values("turn_advantages").astype(np.float64)
+                - out.turn_values("turn_advantages").astype(np.float64)
+            ).max()
+        )
         # The reference reads plain Python rows, converted here and not timed.
         rows = batch.to_records()
         reference_times = []
@@ -133,7 +154,8 @@ def main() -> int:
         )
         print(
             f"{name:<10} {turns_per_s:>12,.0f} {batch.num_turns / reference:>12,.0f} {speedup:>8.1f}x "
-            f"{max_diff:>10.1e}  {target}: {'met' if met else 'MISSED'}"
+            f"{max_diff:>10.1e} {batch.num_turns / parts:>14,.0f} {parts / vectorized:>10.2f}x "
+            f"{parts_diff:>10.1e}  {target}: {'met' if met else 'MISSED'}"
         )
         results.append(
             {
@@ -144,6 +166,10 @@ def main() -> int:
                 "speedup": speedup,
                 "max_abs_diff": max_diff,
                 "target_met": met,
+                "composition": estimator.composition(config),
+                "composition_seconds": parts,
+                "composition_over_fused": parts / vectorized,
+                "composition_max_abs_diff": parts_diff,
             }
         )
 

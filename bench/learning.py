@@ -240,10 +240,13 @@ EMBEDDED = ROOT / "ray_credit" / "configs" / "embedded.yaml"  # what every run s
 
 
 def defaults_fingerprint(config: Path = EMBEDDED) -> str:
-    """The fingerprint of the settings every run starts from (``--config``'s file), kept
-    with each recorded run: the same --set on other settings is another study (recorded
-    runs are not reused across them)."""
-    return hashlib.sha256(config.read_bytes()).hexdigest()[:16]
+    """The fingerprint of the settings every run starts from (``--config``'s file, as
+    parsed: its comments are not settings), kept with each recorded run: the same --set
+    on other settings is another study (recorded runs are not reused across them)."""
+    import yaml
+
+    settings = yaml.safe_load(config.read_text())
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def composition_estimator(text: str):
@@ -291,10 +294,10 @@ def recorded_runs(
             )
         if settings is not None and row.get("defaults") != defaults:
             raise ValueError(
-                f"{path}:{number} was recorded from other embedded settings "
-                f"(embedded.yaml fingerprint {row.get('defaults')}, now "
-                f"{defaults}): its runs are another study's; give another --runs-dir (or "
-                "read it with --against)"
+                f"{path}:{number} was recorded from other starting settings (the --config "
+                f"file's fingerprint {row.get('defaults')}, now {defaults}): its runs are "
+                "another study's; give the same --config, another --runs-dir, or read it "
+                "with --against"
             )
         run = {k: v for k, v in row.items() if k not in ("method", "settings", "defaults")}
         if settings is None:

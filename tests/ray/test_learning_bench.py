@@ -105,7 +105,7 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(learning, "defaults_fingerprint", lambda config: "0123456789abcdef")
     with pytest.raises(SystemExit):
         learning.main(argv)
-    assert "recorded from other embedded settings" in capsys.readouterr().err
+    assert "recorded from other starting settings" in capsys.readouterr().err
     monkeypatch.undo()
     monkeypatch.setattr(learning, "run_one", fake_run)
     monkeypatch.setattr(learning, "plot_curves", lambda report, path: path.write_text("png"))
@@ -164,6 +164,10 @@ def test_a_study_trains_compositions_of_its_own_on_a_config_of_its_own(tmp_path,
             learning.main([*argv[:7], bad, *argv[8:]])
         assert says in capsys.readouterr().err
     assert learning.defaults_fingerprint(sparse) != learning.defaults_fingerprint()
+    # a comment is not a setting: the same settings commented otherwise are the same study
+    commented = tmp_path / "commented.yaml"
+    commented.write_text("# a note\n" + sparse.read_text().replace("  # ", "  # note: "))
+    assert learning.defaults_fingerprint(commented) == learning.defaults_fingerprint(sparse)
 
 
 def test_pooled_changes_pair_by_seed_and_question():
