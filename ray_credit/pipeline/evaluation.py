@@ -62,9 +62,12 @@ def evaluate_policy(
     )
     version = learner.policy_version if learner is not None else 0
     actor = None
+    redone = 0
 
-    def rollouts(gen: Any) -> dict:
-        """``gen``'s evaluation by the training generators, or by one made on first need."""
+    def attempt(gen: Any) -> dict:
+        """``gen``'s evaluation by the training generators, or by one made on first need;
+        each brought to the learner's weights first (a restarted one is back on the base
+        weights)."""
         nonlocal actor
         if generators:
             _bring_to(generators, learner, version, cfg.pipeline.timeout_s)
@@ -72,10 +75,26 @@ def evaluate_policy(
         if actor is None:
             (actor,) = make_generators(cfg.model, retriever, cfg, greedy, prefix=None,
                                        count=1, num_cpus=cfg.resources.eval_cpus)  # fmt: skip
-            if version > 0:
-                ray.get(actor.update_weights.remote(version, learner.weights()),
-                        timeout=cfg.pipeline.timeout_s)  # fmt: skip
+        _bring_to([actor], learner, version, cfg.pipeline.timeout_s)
         return evaluate(actor, questions, cfg.pipeline.timeout_s, **overrides_of(gen))
+
+    def rollouts(gen: Any) -> dict:
+        """:func:`attempt`, redone when a generator is lost under it (Ray restarts one made
+        with ``max_restarts``), up to :data:`EVALUATION_RETRIES` times, each counted."""
+        nonlocal redone
+        for tries in range(EVALUATION_RETRIES + 1):
+            try:
+                return attempt(gen)
+            except ray.exceptions.RayActorError as err:
+                if tries == EVALUATION_RETRIES:
+                    raise
+                redone += 1
+                log.info(
+                    f"eval {when}: a generator was lost mid-evaluation ({type(err).__name__}: "
+                    f"{str(err).strip().splitlines()[-1][:160]}); brought back to policy version "
+                    f"{version} and the evaluation redone ({tries + 1} of "
+                    f"{EVALUATION_RETRIES})"
+                )
 
     try:
         result = _evaluation(cfg, questions, when, greedy, version, rollouts)
@@ -86,12 +105,21 @@ def evaluate_policy(
     finally:
         if actor is not None:
             ray.kill(actor)
+    if redone:
+        result["redone_after_a_lost_generator"] = redone
     return result
 
 
+EVALUATION_RETRIES = 2
+"""Times an evaluation is redone when a generator is lost under it (Ray restarts it when
+it was made with ``max_restarts``; it comes back on the base weights and is brought to the
+policy's before the evaluation is redone)."""
+
+
 def _bring_to(generators: Sequence[Any], learner: Any, version: int, timeout_s: float) -> None:
-    """The training generators on the learner's weights (a resumed run's evaluation before
-    training; after training the pipeline's last publication has done it)."""
+    """The generators on the learner's weights: those behind it (the evaluation's own,
+    made on the base weights; a training generator restarted since the last publication;
+    a resumed run's evaluation before training) get them."""
     import ray
 
     if learner is None:
