@@ -20,14 +20,14 @@ evidence judge, which needs no model. All runs share one local Ray (or RAY_ADDRE
 (docs/estimators.md) trained by ``pipelines/compose.py``, its parts' recipe included.
 
 Reports, per method: held-out EM after training across seeds (mean, std and a 95 %
-t-interval; 1-hop and 2-hop apart), its change from before training (mean of the
-per-seed paired changes), the same change pooled over every seed's questions and, for
-each method but GRPO, its EM after training minus GRPO's on the same seeds' questions
-(paired bootstrap intervals), the training reward per step (mean and a band of one std
-across seeds), the share of all-wrong groups and of zero-advantage groups, searches per
-question by hop type, and wall time per run. Writes JSON (``--out``), the tables as
-Markdown beside it, and one PNG (``--plot``): reward curves with bands, and every seed's
-paired change with the mean and its interval.
+t-interval; per data source: 1-, 2- and 3-hop apart), its change from before training
+(mean of the per-seed paired changes), the same change pooled over every seed's
+questions and, for each method but GRPO, its EM after training minus GRPO's on the same
+seeds' questions (paired bootstrap intervals), the training reward per step (mean and a
+band of one std across seeds), the share of all-wrong groups and of zero-advantage
+groups, searches per question by hop type, and wall time per run. Writes JSON
+(``--out``), the tables as Markdown beside it, and one PNG (``--plot``): reward curves
+with bands, and every seed's paired change with the mean and its interval.
 
 ``--against RUNS.jsonl`` (the record of another study, made with other settings) measures
 a setting: each method's EM after training minus the same method's EM after training in
@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:  # seed-major: an unfinished study has every method on its first seeds
         for method in methods:
             if (method, seed) in done:
-                if done[method, seed].get("estimator") != composed.get(method):
+                if _canonical(done[method, seed].get("estimator")) != _canonical(
+                    composed.get(method)
+                ):
                     parser.error(
                         f"{runs_dir / RECORD} records {method} seed {seed} with the estimator "
                         f"{done[method, seed].get('estimator')!r}, not {composed.get(method)!r}; "
@@ -247,6 +249,13 @@ def defaults_fingerprint(config: Path = EMBEDDED) -> str:
 
     settings = yaml.safe_load(config.read_text())
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _canonical(text: str | None) -> str | None:
+    """A composition as the library writes it (spacing and default settings aside)."""
+    from ray_credit.estimators.compose import parse
+
+    return None if text is None else str(parse(text))
 
 
 def composition_estimator(text: str):

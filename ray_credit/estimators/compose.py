@@ -10,10 +10,11 @@ Grammar (Python's operator precedence: ``*`` before ``+`` before ``|``)::
 
     estimator  := advantage ("|" weighting)*
     advantage  := rewards "|" normalizer ("|" transform)*
-                | [number "*"] "(" advantage ")" ("+" [number "*"] "(" advantage ")")*
-                  ("|" transform)*
-    rewards    := [number "*"] reward (("+" | "-") [number "*"] reward)*
+                | ["-"] [number "*"] "(" advantage ")"
+                  (("+" | "-") [number "*"] "(" advantage ")")* ("|" transform)*
+    rewards    := ["-"] [number "*"] reward (("+" | "-") [number "*"] reward)*
     part       := name | name "(" setting "=" value, ... ")"
+    value      := number | "quoted string" | word (inf, true, false, or a choice: none)
 
 Rewards add up before they are normalized; normalized terms add up after (A²TGPO:
 ``0.3*(info_gain | turn_position(padding="none") | rescaled_sum) + (outcome | group)``).
@@ -93,8 +94,8 @@ class Use(_Node):
         return get_part(self.part).kind
 
     def __call__(self, **settings: Any) -> Use:
-        merged = {**dict(self.settings), **settings}
         part = get_part(self.part)
+        merged = {**dict(self.settings), **{k: _plain(part, k, v) for k, v in settings.items()}}
         part.config(**merged)  # refuses an unknown or bad setting now
         defaults = part.config()  # kept: the settings that differ from the defaults
         changed = {k: v for k, v in merged.items() if getattr(defaults, k) != v}
@@ -154,9 +155,21 @@ class Composition(_Node):
         return " | ".join([str(self.advantage), *map(str, self.weightings)])
 
 
+def _plain(part: Part, name: str, value: Any) -> Any:
+    """A setting's value as the text writes it: a numpy scalar as its Python number, an
+    integer given to a float setting as a float (so both spellings name one estimator)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    fields = {f.name: f.type for f in dataclasses.fields(part.config_cls)}
+    integer = isinstance(value, int) and not isinstance(value, bool)
+    if integer and fields.get(name) in ("float", float):
+        return float(value)
+    return value
+
+
 def _value_text(value: Any) -> str:
     if isinstance(value, float) and math.isinf(value):
-        return "inf"
+        return "inf" if value > 0 else "-inf"
     return repr(value)
 
 
@@ -167,10 +180,12 @@ def _number_text(coef: float) -> str:
 def _sum_text(terms, show) -> str:
     out = []
     for i, (coef, item) in enumerate(terms):
-        sign = "-" if coef < 0 else "+"
         size = abs(coef)
         body = show(item) if size == 1 else f"{_number_text(size)}*{show(item)}"
-        out.append((sign if sign == "-" else "") + body if i == 0 else f"{sign} {body}")
+        if i == 0:
+            out.append(("-" if coef < 0 else "") + body)
+        else:
+            out.append(f"{'-' if coef < 0 else '+'} {body}")
     return " ".join(out)
 
 
@@ -195,7 +210,9 @@ def _level(x: Any) -> str:
         return "rewards"
     if isinstance(x, (Normalized, AdvantageSum)):
         return "advantage"
-    return "composition"
+    if isinstance(x, Composition):
+        return "composition"
+    raise CompositionError(f"a composition is made of parts, got {x!r} ({type(x).__name__})")
 
 
 def _placement(kind: str) -> str:
@@ -208,9 +225,10 @@ def _placement(kind: str) -> str:
 
 
 def _as_sum(x: Any) -> Any:
+    """``x`` as a sum whose terms can take weights: a transformed sum becomes one term."""
     if isinstance(x, Use):
         return RewardSum(((1.0, x),))
-    if isinstance(x, Normalized):
+    if isinstance(x, Normalized) or (isinstance(x, AdvantageSum) and x.transforms):
         return AdvantageSum(((1.0, x),))
     return x
 
@@ -229,8 +247,6 @@ def _scale(x: Any, coef: Any) -> Any:
             f"weights go on rewards or normalized terms, not after the weightings: {x}"
         )
     s = _as_sum(x)
-    if isinstance(s, AdvantageSum) and s.transforms:
-        s = AdvantageSum(((1.0, s),))
     return type(s)(tuple((c * w, t) for w, t in s.terms))
 
 
@@ -249,10 +265,6 @@ def _add(a: Any, b: Any, sign: float) -> Any:
             "turn_position(padding='none'))"
         )
     sa, sb = _as_sum(a), _as_sum(b)
-    if isinstance(sa, AdvantageSum) and sa.transforms:
-        sa = AdvantageSum(((1.0, sa),))
-    if isinstance(sb, AdvantageSum) and sb.transforms:
-        sb = AdvantageSum(((1.0, sb),))
     return type(sa)((*sa.terms, *((sign * w, t) for w, t in sb.terms)))
 
 
@@ -322,12 +334,20 @@ def parse(text: str) -> Any:
         raise CompositionError(f"a composition is a non-empty string, got {text!r}")
     try:
         tree = ast.parse(text.strip(), mode="eval").body
+        built = _build(tree, text)
     except SyntaxError as err:
+        shown = text if len(text) <= 120 else f"{text[:120]}..."
         raise CompositionError(
-            f"cannot read the composition {text!r}: {err.msg} at column {err.offset}; write "
+            f"cannot read the composition {shown!r}: {err.msg} at column {err.offset}; write "
             'e.g. "outcome + 0.5*folr | turn_position | contribution"'
         ) from None
-    return _build(tree, text)
+    except (RecursionError, MemoryError):
+        raise CompositionError(
+            f"the composition of {len(text)} characters is too deeply nested to read"
+        ) from None
+    if _is_number(built):
+        raise CompositionError(f"{text!r} is a number, not a composition of parts")
+    return built
 
 
 def _build(node: ast.AST, text: str) -> Any:
@@ -341,6 +361,8 @@ def _build(node: ast.AST, text: str) -> Any:
         settings = {kw.arg: _setting(kw.value, text) for kw in node.keywords}
         if None in settings:
             raise CompositionError(f"in {text!r}: settings are name=value")
+        if len(settings) != len(node.keywords):
+            raise CompositionError(f"in {text!r}: {node.func.id} is given a setting twice")
         return _use(node.func.id, settings, text)
     if isinstance(node, ast.Constant) and _is_number(node.value):
         return node.value
@@ -390,14 +412,9 @@ def _setting(node: ast.AST, text: str) -> Any:
 
 def _use(name: str, settings: dict[str, Any], text: str) -> Use:
     try:
-        part = get_part(name)
+        get_part(name)
     except ValueError as err:
         raise CompositionError(f"in {text!r}: {err}") from None
-    fields = {f.name: f for f in dataclasses.fields(part.config_cls)}
-    for key, value in list(settings.items()):  # 1 for a float setting reads as 1.0
-        integer = isinstance(value, int) and not isinstance(value, bool)
-        if integer and key in fields and fields[key].type in ("float", float):
-            settings[key] = float(value)
     try:
         return Use(name)(**settings)
     except (TypeError, ValueError) as err:
@@ -406,7 +423,7 @@ def _use(name: str, settings: dict[str, Any], text: str) -> Use:
 
 def is_composition(text: str) -> bool:
     """Whether ``text`` is a composition rather than an estimator's name."""
-    return any(c in text for c in "|+(*") or text.strip() in PARTS
+    return any(c in text for c in "|+-(*") or text.strip() in PARTS
 
 
 # --------------------------------------------------------------------------- checks
@@ -440,7 +457,7 @@ def _check(comp: Composition) -> None:
     for leaf in _leaves(comp.advantage):
         norm, ncfg = leaf.normalizer.part, leaf.normalizer.config()
         rewards = [(u, get_part(u.part), u.config()) for _, u in leaf.rewards.terms]
-        per_turn = [str(u) for u, p, c in rewards if p.per_turn is not None and p.per_turn(c)]
+        per_turn = [str(u) for u, p, c in rewards if p.per_turn is None or p.per_turn(c)]
         final = any(p.final_turn is None or p.final_turn(c) for _, p, c in rewards)
         if norm in ("group", "leave_one_out") and per_turn:
             raise CompositionError(

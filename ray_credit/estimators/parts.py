@@ -77,8 +77,9 @@ class Rewards:
     defined: np.ndarray | None
     """Where the term gives a reward (bool per flat turn); None: on every turn."""
     per_traj: np.ndarray | None
-    """One value per trajectory when the reward is the same on all of a trajectory's turns
-    (outcome, Search-P1's path), else None."""
+    """One value per trajectory when the reward is one per trajectory (outcome, on every
+    turn or on the last; Search-P1's path): what a per-trajectory normalizer reads. None
+    when turns have rewards of their own."""
     turn_groups: np.ndarray
     """Per prompt group: True where the rewards may differ between a trajectory's turns
     (TSPO's latent reward in an all-wrong group, an information gain)."""
@@ -135,7 +136,8 @@ class Part:
     learner: Mapping[str, Any] = field(default_factory=dict)
     papers: tuple[str, ...] = ()
     per_turn: Callable[[Any], bool] | None = None
-    """Reward terms: whether a trajectory's turns may get different rewards."""
+    """Reward terms: whether a trajectory's turns may get different rewards (None: they
+    may; a reward of one value per trajectory says False and gives ``per_traj``)."""
     final_turn: Callable[[Any], bool] | None = None
     """Reward terms: whether the final turn gets a reward (None: it does)."""
     every_turn: Callable[[Any], bool] | None = None
@@ -466,9 +468,13 @@ def _turn_position(batch: TrajectoryBatch, rewards: Rewards, cfg: TurnPositionSe
         count, mean, std = key_stats(
             per_traj, group, batch.num_groups, ddof=cfg.ddof, var_eps=cfg.var_eps
         )
-        single = count <= 1
-        mean = np.where(single, per_traj[_first_of_group(batch)], mean)
-        scale = np.where(single, 1.0, 1.0 / (std + cfg.eps)) if cfg.by_std else np.ones_like(std)
+        single = count <= 1  # a lone trajectory follows cfg.singleton, as normalize_where
+        centered = cfg.singleton == "center"  # 0; else its value (mean 0, std 1)
+        mean = np.where(single, per_traj[_first_of_group(batch)] if centered else 0.0, mean)
+        scale = np.ones_like(std)
+        if cfg.by_std:
+            scale = 1.0 / (np.where(single, 1.0, std) + cfg.eps)
+            scale[single & centered] = 1.0  # the lone value is its own mean: 0 either way
         traj_adv = (per_traj - mean[group]) * scale[group]
         turn_groups = np.repeat(traj_level[group], batch.turn_counts)
         if defined is not None:

@@ -457,13 +457,14 @@ def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig
 
 def load_config(
     cls: type,
-    estimator: str,
+    estimator: Any,
     argv: Sequence[str] | None = None,
     *,
     doc: str | None = None,
     default_config: str | Path | None = EMBEDDED_CONFIG,
 ) -> Any:
-    """``cls`` from its defaults, the estimator's recipe, the YAML file (``--config``, else
+    """``cls`` from its defaults, the recipe of ``estimator`` (a registered name or an
+    :class:`~ray_credit.estimators.Estimator`, a composition's), the YAML file (``--config``, else
     ``default_config``; None: none) and the flags in ``argv``, in that order. A flag or key
     no section of ``cls`` has is refused with the nearest settings, or, for another
     method's section, with the pipeline it belongs to (:func:`foreign_sections`)."""

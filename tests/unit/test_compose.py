@@ -208,6 +208,9 @@ def test_a_composition_is_group_local():
             "wants the info_gain signal with mode='log_prob_diff'",
         ),
         ("outcome(at=last) + info_gain | anchor_state", "leaves turns without one"),
+        ("folr(alpha=0.5, alpha=0.3) | turn_position", "given a setting twice"),
+        ("0.5", "is a number, not a composition"),
+        (" + ".join(["outcome"] * 5000) + " | group", "too deeply nested"),
     ],
 )
 def test_a_composition_that_cannot_work_is_refused_with_the_reason(text, says):
@@ -226,3 +229,28 @@ def test_learner_settings_follow_from_the_parts_and_conflicts_are_refused():
         "loss.clip_high": 4e-3,
     }
     assert compose("outcome | group", learner={"kl_coef": 1e-3}).learner == {"kl_coef": 1e-3}
+
+
+def test_one_estimator_has_one_name_however_its_settings_are_spelled():
+    import math
+
+    assert P.turn_position(eps=1) == parse("turn_position(eps=1.0)") == P.turn_position(eps=1.0)
+    assert str(P.folr(alpha=np.float64(0.25))) == "folr(alpha=0.25)"  # a numpy scalar
+    assert str(P.turn_position(eps=np.float32(0.5))) == "turn_position(eps=0.5)"
+    assert P.folr(alpha=1.0) == P.folr  # a default is not a setting
+    from ray_credit.estimators.compose import _value_text, is_composition
+
+    assert _value_text(-math.inf) == "-inf" and _value_text(math.inf) == "inf"
+    assert is_composition("outcome - invalid") and not is_composition("tspo")
+
+
+def test_turn_position_without_padding_follows_its_singleton_setting():
+    """A one-trajectory group whose rewards are one per trajectory: 0 when centered, its
+    value over (1 + eps) under zero_mean_unit_std, as every other normalizer does."""
+    rows = [{"group_id": "alone", "traj_id": "t0", "reward": 1.0, "turns": 2,
+             "turn_contains_gold": [False, False]}]  # fmt: skip
+    batch = make_batch(rows)
+    centered = compose("outcome | turn_position(padding=none)")(batch)
+    kept = compose("outcome | turn_position(padding=none, singleton=zero_mean_unit_std)")(batch)
+    assert not centered.turn_values("turn_advantages").any()
+    np.testing.assert_allclose(kept.turn_values("turn_advantages"), [1 / (1 + 1e-6)] * 2)
