@@ -46,6 +46,7 @@ from ray_credit.estimators._base import Estimator
 from ray_credit.estimators.parts import (
     PARTS,
     Advantage,
+    Part,
     Rewards,
     Term,
     get_part,
