@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         "AdamW's state); by default it is deleted once the run is recorded",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    from ray_credit.estimators.compose import compose
+
     composed = {}
     for item in args.compose:
         name, _, text = item.partition("=")
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"names are taken: {sorted(METHODS)})"
             )
         try:
-            composition_estimator(text)
+            compose(text)
         except ValueError as err:
             parser.error(f"--compose {name}: {err}")
         composed[name] = text
@@ -258,14 +260,6 @@ def _canonical(text: str | None) -> str | None:
     return None if text is None else str(parse(text))
 
 
-def composition_estimator(text: str):
-    """The estimator a ``--compose`` composition writes (raises ValueError, saying why,
-    for one that cannot work)."""
-    from ray_credit.estimators.compose import compose
-
-    return compose(text)
-
-
 def recorded_runs(
     path: Path, settings: list[str] | None, defaults: str | None = None
 ) -> dict[tuple[str, int], dict]:
@@ -334,6 +328,7 @@ def run_one(
     finish (it is not in the record) is cleared first: its metrics.jsonl is appended to.
     ``composition``: the method is that composition of parts, trained by
     ``pipelines/compose.py``."""
+    from ray_credit.estimators.compose import compose
     from ray_credit.pipeline.cli import run_config_class
     from ray_credit.pipeline.configs import load_config
     from ray_credit.pipeline.recipe import train
@@ -352,7 +347,7 @@ def run_one(
     estimator = method
     if composition:
         argv += ["--estimator", composition]
-        estimator = composition_estimator(composition)
+        estimator = compose(composition)
     cfg = load_config(run_cls, estimator, argv, default_config=config)
     stale = Path(cfg.output_dir).resolve() / cfg.name  # where train writes
     if stale.exists():

@@ -607,7 +607,7 @@ def _contribution(batch: TrajectoryBatch, adv: Advantage, cfg: ContributionSetti
     kind = nonfinal.view(np.int8) + (p_one & nonfinal).view(np.int8)  # 0 final, 1 + p
     at = np.repeat(np.arange(0, 3 * len(batch), 3), batch.turn_counts) + kind
     values = adv.values * factors.ravel()[at]
-    return dataclasses.replace(adv, values=values, metrics={**adv.metrics, **metrics})
+    return dataclasses.replace(adv, values=values, metrics=metrics)
 
 
 @dataclass(frozen=True)
@@ -663,7 +663,7 @@ def _segments(batch: TrajectoryBatch, adv: Advantage, cfg: SegmentsSettings) -> 
     else:
         own |= term.defined
     merged = float(np.count_nonzero(~own))
-    metrics = {**adv.metrics, "merged_turns": merged}
+    metrics = {"merged_turns": merged}
     if not merged:
         return dataclasses.replace(adv, metrics=metrics)
     take = next_marked(own)
