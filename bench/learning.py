@@ -566,6 +566,21 @@ def table(report: dict) -> str:
         lines + "\n\nPooled over the seeds (a pair per seed and held-out question; 95 % paired "
         "bootstrap interval; questions better / worse):\n\n" + _markdown(head, rows)
     )
+    steps = max((len(r["groups_all_wrong"]) for rs in report["runs"].values() for r in rs),
+                default=0)  # fmt: skip
+    if steps:
+        rows = []
+        for method, runs in report["runs"].items():
+            wrong = per_step_mean(runs, "groups_all_wrong")
+            zero = per_step_mean(runs, "groups_zero_advantage")
+            cells = [f"{_fmt(_at(wrong, i), '{:.2f}')} / {_fmt(_at(zero, i), '{:.2f}')}"
+                     for i in range(steps)]  # fmt: skip
+            rows.append([method, *cells])
+        head = ["method", *(f"step {i + 1}" for i in range(steps))]
+        text += (
+            "\n\nPer step, the share of groups whose trajectories are all wrong / the share "
+            "whose advantages are all zero (mean over the seeds):\n\n" + _markdown(head, rows)
+        )
     sampled = {m: agg["em_sampled_change_pooled"] for m, agg in methods.items()
                if "em_sampled_change_pooled" in agg}  # fmt: skip
     if sampled:
@@ -591,6 +606,21 @@ def table(report: dict) -> str:
             "paired on the same questions):\n\n" + _markdown(head, rows)
         )
     return text
+
+
+def per_step_mean(runs: list[dict], key: str) -> list[float | None]:
+    """A per-step series of the runs (one per seed), averaged over the seeds that have a
+    value at that step (None where none has)."""
+    steps = max((len(r[key]) for r in runs), default=0)
+    out = []
+    for i in range(steps):
+        values = [r[key][i] for r in runs if i < len(r[key]) and not math.isnan(r[key][i])]
+        out.append(mean(values) if values else None)
+    return out
+
+
+def _at(series: list, i: int):
+    return series[i] if i < len(series) else None
 
 
 def _markdown(head: list[str], rows: list[list[str]]) -> str:
@@ -619,17 +649,26 @@ def _fmt(value: float | None, fmt: str) -> str:
 
 
 def plot_curves(report: dict, path: Path) -> None:
-    """Left: training reward per step (mean over seeds, band: one std). Right: each
-    method's paired change of held-out EM, all questions and per data source: every
-    seed's change (dots) and the mean with its 95 % interval across seeds."""
+    """Top left: training reward per step (mean over seeds, band: one std). Top right and
+    bottom left: the shares of all-wrong and of zero-advantage groups per step (mean over
+    seeds). Bottom right: each method's paired change of held-out EM, all questions and
+    per data source: every seed's change (dots) and the mean with its 95 % interval
+    across seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), width_ratios=(1, 1.2))
+    fig, ((left, wrong), (zero, right)) = plt.subplots(2, 2, figsize=(13, 9))
     for i, (method, runs) in enumerate(report["runs"].items()):
+        for axis, key in ((wrong, "groups_all_wrong"), (zero, "groups_zero_advantage")):
+            series = per_step_mean(runs, key)
+            axis.plot(
+                [s + 1 for s, v in enumerate(series) if v is not None],
+                [v for v in series if v is not None],
+                color=f"C{i}", marker=".", label=f"{method} (n={len(runs)})",
+            )  # fmt: skip
         length = min(len(r["reward"]) for r in runs)
         curves = np.array([r["reward"][:length] for r in runs])
         steps = np.arange(1, length + 1)
@@ -642,6 +681,12 @@ def plot_curves(report: dict, path: Path) -> None:
     left.set_ylabel("training reward (mean over seeds, band: 1 std)")
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
+    for axis, what in ((wrong, "all wrong"), (zero, "with all advantages zero")):
+        axis.set_xlabel("step")
+        axis.set_ylabel(f"share of groups {what} (mean over seeds)")
+        axis.set_ylim(-0.02, 1.02)
+        axis.legend(fontsize=8)
+        axis.grid(alpha=0.3)
 
     sources = sorted(
         {s for runs in report["runs"].values() for r in runs for s in r["em_change_by_source"]}

@@ -256,3 +256,33 @@ def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         learning.main([*argv[:-4], "--against-method", "tspo"])
     assert "--against-method needs --against" in capsys.readouterr().err
+
+
+def test_the_shares_per_step_are_averaged_over_seeds_in_the_table_and_the_plot(tmp_path):
+    """The all-wrong and zero-advantage shares step by step: the mean over the seeds that
+    have the step (a seed with a missing value does not count as zero), in a table of the
+    report and in the plot."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+
+    nan = float("nan")
+    change = {"diff": 0.1, "low": 0.0, "high": 0.2, "n": 2, "better": 1, "worse": 0}
+
+    def run(seed, wrong, zero):
+        return {"seed": seed, "seconds": 1.0, "em_before": 0.5, "em_after": 0.6,
+                "em_before_by_source": {"3hop": 0.5}, "em_after_by_source": {"3hop": 0.6},
+                "em_change": change, "em_change_by_source": {"3hop": change},
+                "searches_before": 1.0, "searches_after": 1.0, "reward": [0.1] * len(wrong),
+                "groups_all_wrong": wrong, "groups_zero_advantage": zero,
+                "estimator_counters": {}}  # fmt: skip
+
+    runs = [run(0, [0.5, 0.25, 0.75], [1.0, 0.5, nan]), run(1, [0.25, 0.75], [0.5, 1.0])]
+    assert learning.per_step_mean(runs, "groups_all_wrong") == [0.375, 0.5, 0.75]
+    assert learning.per_step_mean(runs, "groups_zero_advantage") == [0.75, 0.75, None]
+    report = {"runs": {"grpo": runs}, "methods": {"grpo": learning.aggregate(runs)},
+              "baseline": "grpo"}  # fmt: skip
+    text = learning.table(report)
+    assert "| method | step 1 | step 2 | step 3 |" in text
+    assert "| grpo | 0.38 / 0.75 | 0.50 / 0.75 | 0.75 / n/a |" in text
+    learning.plot_curves(report, tmp_path / "study.png")
+    assert (tmp_path / "study.png").stat().st_size > 10_000
