@@ -6,3 +6,13 @@ at wiring time, so resources come from config and never from a decorator. Heavy 
 """
 
 from __future__ import annotations
+
+
+def actor_lost_errors() -> tuple[type[Exception], ...]:
+    """What a call raises when its actor's process dies under it: ``RayActorError``, or
+    ``OutOfMemoryError`` when Ray's memory monitor killed the process during the call.
+    Ray restarts the actor either way while it has restarts left, so whoever recovers
+    from one recovers from both."""
+    import ray.exceptions
+
+    return (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)

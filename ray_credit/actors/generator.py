@@ -41,6 +41,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from ray_credit.actors import actor_lost_errors
 from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLLMConfig
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
@@ -711,7 +712,7 @@ class _Search:
                     f"retrieval of {len(queries)} queries took over {self.timeout_s} s; raise "
                     "retrieval_timeout_s or scale the retriever"
                 ) from err
-            except ray.exceptions.RayActorError as err:
+            except actor_lost_errors() as err:
                 # the retriever died; Ray restarts it (max_restarts) and the call is retried
                 if time.monotonic() >= deadline:
                     raise RuntimeError(

@@ -50,6 +50,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import pyarrow as pa
 
+from ray_credit.actors import actor_lost_errors
 from ray_credit.actors.judge_backends import HFBackend, OpenAIBackend, check_openai_args
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.signals import JudgedSignal, get_signal
@@ -342,7 +343,7 @@ class JudgePool:
                     continue
                 try:
                     results[i] = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                except (*actor_lost_errors(), ray.exceptions.ActorUnavailableError):
                     add(counts, "judge/actor_failures")
                     failures[a] += 1
                     if attempt < self.max_retries:

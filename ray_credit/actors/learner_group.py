@@ -49,6 +49,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_credit.actors import actor_lost_errors
 from ray_credit.actors.learner import (
     Learner,
     LearnerConfig,
@@ -125,7 +126,7 @@ class LearnerCall:
     def _value(self, rank: int) -> Any:
         try:
             return ray.get(self.refs[rank])
-        except ray.exceptions.RayActorError as err:
+        except actor_lost_errors() as err:
             raise LearnerWorkerError(
                 f"{self.group} rank {rank} died during {self.what!r} (shut the group down "
                 f"and resume from the last checkpoint): {err}"

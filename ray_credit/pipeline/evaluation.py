@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_credit.actors import actor_lost_errors
 from ray_credit.log import log
 from ray_credit.pipeline.services import make_generators
 from ray_credit.warm_start import settings_fingerprint
@@ -85,7 +86,7 @@ def evaluate_policy(
         for tries in range(EVALUATION_RETRIES + 1):
             try:
                 return attempt(gen)
-            except ray.exceptions.RayActorError as err:
+            except actor_lost_errors() as err:
                 if tries == EVALUATION_RETRIES:
                     raise
                 redone += 1

@@ -32,7 +32,8 @@ trusting arithmetic. ``max_staleness = 0`` is synchronous on-policy training. No
 discarded: admission delays a group instead.
 
 Failures. A generator whose process dies loses its call, not the run: the chunk goes
-back to the front of the queue for the next idle generator. Ray restarts the actor when
+back to the front of the queue for the next idle generator (a call killed by Ray's memory
+monitor raises ``OutOfMemoryError``, not ``RayActorError``: the same death). Ray restarts the actor when
 it was made with ``max_restarts`` (it comes back on the base weights, so the current ones
 are re-sent before it gets work); one that is gone for good leaves the pool, and the run
 goes on with the others. A chunk that comes back generated with older weights than were
@@ -89,6 +90,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ray_credit.actors import actor_lost_errors
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.pipeline.checkpointing import (
     LEARNER_DIR,
@@ -256,7 +258,18 @@ def actor_stage(method: Any, *, name: str | None = None, timeout_s: float = 1800
     def stage(batch: TrajectoryBatch) -> TrajectoryBatch:
         import ray
 
-        return ray.get(method.remote(batch), timeout=timeout_s)
+        try:
+            return ray.get(method.remote(batch), timeout=timeout_s)
+        except ray.exceptions.OutOfMemoryError as err:
+            # A death names its actor (``actor_id``) and the driver brings that actor back
+            # (the scorer: on the current weights) and redoes the stage; a kill by Ray's
+            # memory monitor does not, so the stage names it.
+            actor = getattr(getattr(method, "_actor", None), "_actor_id", None)
+            raise StageError(
+                f"its actor was killed by Ray's memory monitor during the call "
+                f"({str(err).strip().splitlines()[0][:200]})",
+                actor_id=None if actor is None else actor.hex(),
+            ) from err
 
     stage.__name__ = name or getattr(method, "_method_name", "actor_stage")
     return stage
@@ -459,6 +472,7 @@ class Pipeline:
         # flight and no progress for generation_timeout_s is hung
         self._progress = [0.0] * len(self.generators)
         self._epoch = [0] * len(self.generators)  # deaths handled per generator
+        self._epoch_published = list(self._epoch)  # ... when the last publication was sent
         # the process each generator's last chunk came from (and the deaths handled then):
         # another one means Ray restarted it
         self._incarnation: list[tuple[str, int] | None] = [None] * len(self.generators)
@@ -710,7 +724,7 @@ class Pipeline:
         self._progress[g] = time.monotonic()
         try:
             chunk.summary = ray.get(chunk.summary_ref)
-        except ray.exceptions.RayActorError:
+        except actor_lost_errors():  # died, or killed by Ray's memory monitor, mid-call
             self._redo_chunk(chunk, "pipeline/chunks_redone")
             if chunk.epoch == self._epoch[g] and g not in self._lost:  # news of this death
                 self._epoch[g] += 1
@@ -914,6 +928,7 @@ class Pipeline:
             ) from err
 
     def _publish(self) -> None:
+        self._epoch_published = list(self._epoch)
         sends_itself = self.publisher.sends_itself
         self.publisher.publish(self.version, None if sends_itself else self.learner.weights())
 
@@ -963,7 +978,13 @@ class Pipeline:
             for i in err.died:
                 if i >= len(self.generators):  # the scorer: back, then on current weights
                     self._recover_target(i)
-                elif not self._queued[i] and i not in self._lost:  # no call of its own to fail
+                elif (
+                    not self._queued[i]  # no call of its own to fail
+                    and i not in self._lost
+                    # a death after the weights were sent, not one already handled (its
+                    # failed call was the news: the update went to the process it killed)
+                    and self._epoch[i] == self._epoch_published[i]
+                ):
                     self._epoch[i] += 1
                     self._recover(i)
 

@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ray_credit.actors import actor_lost_errors
+
 __all__ = ["CollectivePublisher", "WeightPublisher", "WeightSyncError"]
 
 
@@ -127,7 +129,7 @@ class WeightPublisher:
                 continue
             try:
                 ray.get(ref)
-            except ray.exceptions.RayActorError as err:
+            except actor_lost_errors() as err:
                 failed.append((i, f"the actor died: {type(err).__name__}"))
                 died.append(i)
             except Exception as err:  # noqa: BLE001 - reported with the target's name

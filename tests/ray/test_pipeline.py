@@ -332,6 +332,74 @@ def test_a_scorer_killed_mid_run_comes_back_on_current_weights(ray_cluster, worl
 
 
 @pytest.mark.e2e  # an actor killed mid-run: the second test command
+def test_a_generator_killed_by_the_memory_monitor_mid_call_is_recovered(
+    ray_cluster, world, retriever, monkeypatch
+):
+    """Ray's memory monitor kills a generator's process during its call: the driver gets
+    OutOfMemoryError (not RayActorError) for the chunk. The chunk is redone and the
+    generator, restarted by Ray on the base weights, brought back to the current ones, as
+    after any death; every group is trained once."""
+    generators = [
+        make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25, max_restarts=1)
+        for _ in range(2)
+    ]
+    learner = LearnerGroup("tiny-random", LearnerConfig(lr=1e-3))
+    config = PipelineConfig(steps=4, groups_per_step=4, chunk_groups=2, max_staleness=1)
+    pipeline = Pipeline(generators, learner, world.questions, [estimator_stage("grpo")], config)
+    real_get, killed = ray_cluster.get, []
+
+    def get(refs, *args, **kwargs):  # what the driver sees when the monitor kills the call
+        chunks = [] if killed else list(pipeline._chunks.values())
+        chunk = next((c for c in chunks if pipeline.step >= 1 and c.summary_ref == refs), None)
+        if chunk is not None:
+            killed.append(chunk.generator)
+            ray_cluster.kill(generators[chunk.generator], no_restart=False)
+            raise ray_cluster.exceptions.OutOfMemoryError(
+                "Task was killed due to the node running low on memory."
+            )
+        return real_get(refs, *args, **kwargs)
+
+    monkeypatch.setattr(ray_cluster, "get", get)
+    history = pipeline.run()
+    monkeypatch.undo()
+    assert len(killed) == 1
+    assert pipeline.step == 4 and pipeline.trained_groups == list(range(16))
+    last = history[-1]
+    # one death, counted once (the publication that went to the killed process is not
+    # news of another); its chunk, and any call queued behind it, redone
+    assert last["pipeline/generator_failures"] == 1 and last["pipeline/chunks_redone"] >= 1
+    assert last["pipeline/generators_lost"] == 0 and last["pipeline/generator_restarts"] == 1
+    assert ray_cluster.get(generators[killed[0]].get_policy_version.remote()) == 4
+    learner.shutdown()
+
+
+def test_a_stage_call_killed_by_the_memory_monitor_names_its_actor(ray_cluster, monkeypatch):
+    """OutOfMemoryError names no actor; the stage does, so that the driver brings that
+    actor (the scorer) back on the current weights and redoes the stage."""
+    from ray_credit.pipeline import StageError, actor_stage
+
+    class Scorer:
+        def score(self, batch):
+            return batch
+
+    scorer = ray_cluster.remote(Scorer).options(num_cpus=0).remote()
+    stage = actor_stage(scorer.score, name="info_gain")
+    assert ray_cluster.get(scorer.score.remote("batch")) == "batch"
+    real_get = ray_cluster.get
+
+    def get(refs, *args, **kwargs):
+        real_get(refs, *args, **kwargs)
+        raise ray_cluster.exceptions.OutOfMemoryError("Task was killed due to low memory.")
+
+    monkeypatch.setattr(ray_cluster, "get", get)
+    with pytest.raises(StageError, match="killed by Ray's memory monitor") as err:
+        stage("batch")
+    assert err.value.actor_id == scorer._actor_id.hex()
+    monkeypatch.undo()
+    ray_cluster.kill(scorer)
+
+
+@pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_judge_actor_killed_mid_run_has_its_calls_redone(ray_cluster, world, retriever):
     """CW-GRPO with a pool of two judge actors: one is killed for good after step 1. The
     choice (docs/reliability.md): its calls are redone on the other actor, never left

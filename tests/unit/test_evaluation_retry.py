@@ -23,7 +23,16 @@ def _cfg():
     )
 
 
-def test_a_generator_lost_mid_evaluation_is_reloaded_and_the_evaluation_redone(monkeypatch):
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda: ray.exceptions.ActorUnavailableError("The actor was restarted.", None),
+        # what the call raises when Ray's memory monitor killed the generator under it
+        lambda: ray.exceptions.OutOfMemoryError("Task was killed due to low memory."),
+    ],
+    ids=["restarted", "killed_by_the_memory_monitor"],
+)
+def test_a_generator_lost_mid_evaluation_is_reloaded_and_the_evaluation_redone(monkeypatch, loss):
     brought, calls = [], []
     lost = {"times": 1}
 
@@ -31,7 +40,7 @@ def test_a_generator_lost_mid_evaluation_is_reloaded_and_the_evaluation_redone(m
         calls.append(len(questions))
         if lost["times"]:
             lost["times"] -= 1
-            raise ray.exceptions.ActorUnavailableError("The actor was restarted.", None)
+            raise loss()
         return {"em": 0.5, "correct": {}, "source": {}}
 
     monkeypatch.setattr(evaluation, "evaluate_on", fake_evaluate_on)
@@ -43,7 +52,7 @@ def test_a_generator_lost_mid_evaluation_is_reloaded_and_the_evaluation_redone(m
     assert calls == [1, 1] and brought == [7, 7]  # weights checked again before the redo
 
     lost["times"] = evaluation.EVALUATION_RETRIES + 1  # lost every time: the run fails
-    with pytest.raises(ray.exceptions.RayActorError):
+    with pytest.raises(type(loss())):
         evaluation.evaluate_policy(_cfg(), None, learner, questions, "after", ["gen"])
     lost["times"], calls[:] = 0, []
     clean = evaluation.evaluate_policy(_cfg(), None, learner, questions, "after", ["gen"])
