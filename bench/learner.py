@@ -17,6 +17,13 @@ with random non-zero advantages on every turn. The same update is timed with
 
 Reports padded and real tokens per second of each (median of ``--repeats`` updates after
 one warm-up) and the ratios to the first, measured in one run; JSON to ``--out``.
+
+    python bench/learner.py --questions 12 --group_size 5 --micro-batch-memory 4096,2048
+
+instead measures, for each ``micro_batch_tokens``, the learner's peak resident memory
+and its update time, each value in a fresh process (a peak is per process), with a KL
+reference (IGPO's ``kl_coef`` 0.001: every trajectory then runs, and the frozen copy is
+held) and bf16 autocast at temperature 0.8, as the sparse study trains.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,6 +96,63 @@ def time_updates(
     return statistics.median(seconds)
 
 
+def peak_memory(model: str, batch, micro_batch_tokens: int, repeats: int) -> dict:
+    """One learner's peak resident memory (the process's, so run it in a fresh one) and
+    median update time over ``repeats`` updates after a first."""
+    from ray_credit.actors.learner import Learner, LearnerConfig
+    from ray_credit.models import load_model
+
+    config = LearnerConfig(
+        lr=1e-5, kl_coef=1e-3, autocast="bfloat16", temperature=0.8,
+        micro_batch_tokens=micro_batch_tokens,
+    )  # fmt: skip
+    learner = Learner(load_model(model), config)
+    loaded = _status_gb("VmRSS")
+    seconds = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        learner.train(batch)
+        if i:
+            seconds.append(time.perf_counter() - start)
+    return {"micro_batch_tokens": micro_batch_tokens, "seconds": statistics.median(seconds),
+            "loaded_gb": loaded, "peak_gb": _status_gb("VmHWM"),
+            "after_update_gb": _status_gb("VmRSS")}  # fmt: skip
+
+
+def _status_gb(field: str) -> float:
+    """A memory field of this process's /proc status (VmRSS, VmHWM: its peak), in GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+def memory_study(args) -> None:
+    """``--micro-batch-memory``: each value in its own process, then the ratios."""
+    results = []
+    for value in args.micro_batch_memory:
+        child = subprocess.run(
+            [sys.executable, __file__, "--model", args.model, "--questions", str(args.questions),
+             "--group_size", str(args.group_size), "--repeats", str(args.repeats),
+             "--memory-of", str(value)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if child.returncode:
+            raise RuntimeError(f"micro_batch_tokens={value} failed:\n{child.stderr[-3000:]}")
+        results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    first = results[0]
+    for r in results:
+        r["peak_ratio"] = r["peak_gb"] / first["peak_gb"]
+        r["time_ratio"] = r["seconds"] / first["seconds"]
+        print(f"micro_batch_tokens {r['micro_batch_tokens']:>6}: peak {r['peak_gb']:.2f} GiB "
+              f"({r['peak_ratio']:.2f}x), update {r['seconds']:.1f} s ({r['time_ratio']:.2f}x), "
+              f"{r['loaded_gb']:.2f} GiB once loaded, {r['after_update_gb']:.2f} after an update")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out.with_name(args.out.stem + "_memory.json")
+    out.write_text(json.dumps({"model": args.model, "memory": results}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -94,9 +160,19 @@ def main() -> None:
     parser.add_argument("--group_size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learner.json")
+    parser.add_argument(
+        "--micro-batch-memory", type=lambda v: [int(x) for x in v.split(",")], default=None,
+        metavar="N,N", help="peak memory and update time per micro_batch_tokens value",
+    )  # fmt: skip
+    parser.add_argument("--memory-of", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.micro_batch_memory:
+        return memory_study(args)
 
     batch = demonstrations(args.model, args.questions, args.group_size)
+    if args.memory_of is not None:  # a child of --micro-batch-memory: one JSON line
+        print(json.dumps(peak_memory(args.model, batch, args.memory_of, args.repeats)))
+        return None
     lengths = np.diff(batch.token_offsets)
     padded, real = len(batch) * int(lengths.max()), int(lengths.sum())
     print(f"{len(batch)} trajectories, {real} tokens ({padded} padded to the longest), "
