@@ -154,6 +154,7 @@ def _bare_pipeline(publisher):
     pipeline = object.__new__(Pipeline)  # the failure bookkeeping only, no Ray
     pipeline.publisher, pipeline.generators, pipeline._chunks = publisher, [0, 1], {}
     pipeline._lost, pipeline._queued, pipeline._epoch = set(), [0, 1], [0, 0]
+    pipeline._epoch_published = [0, 0]  # no death handled since the weights were sent
     pipeline._progress = [0.0, 0.0]
     recovered = []
     pipeline._recover = recovered.append
@@ -175,6 +176,12 @@ def test_a_failed_publication_on_the_learner_side_is_never_swallowed():
     pipeline, recovered = _bare_pipeline(_FailingPublisher(died))
     pipeline._wait_publication()  # an idle generator that died is recovered here; a busy
     assert recovered == [0] and pipeline._epoch == [1, 0]  # one hears it from its call
+    # generator 0's death was handled (its failed call) after the weights were sent: the
+    # update that went to the killed process is not news of a second death
+    pipeline, recovered = _bare_pipeline(_FailingPublisher(died))
+    pipeline._queued, pipeline._epoch = [0, 0], [1, 0]
+    pipeline._wait_publication()
+    assert recovered == [1] and pipeline._epoch == [1, 1]
 
 
 def _stream_pipeline(**config):
