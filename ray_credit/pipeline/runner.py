@@ -33,16 +33,17 @@ discarded: admission delays a group instead.
 
 Failures. A generator whose process dies loses its call, not the run: the chunk goes
 back to the front of the queue for the next idle generator (a call killed by Ray's memory
-monitor raises ``OutOfMemoryError``, not ``RayActorError``: the same death). Ray restarts the actor when
-it was made with ``max_restarts`` (it comes back on the base weights, so the current ones
-are re-sent before it gets work); one that is gone for good leaves the pool, and the run
-goes on with the others. A chunk that comes back generated with older weights than were
-sent before it (its generator restarted before the driver heard of the death) is redone
-too, and so is one whose batch was lost with its node. A generator that hangs (has chunks
-in flight and finishes none for ``generation_timeout_s``) is killed, and then handled as
-one that died. A generator whose process died between calls (killed by Ray's memory
-monitor while it waited) fails no call: Ray restarts it, the next publication brings it to
-the current weights, and its next chunk, from another process than its last, counts it.
+monitor raises ``OutOfMemoryError``, not ``RayActorError``: the same death). Ray
+restarts the actor when it was made with ``max_restarts`` (it comes back on the base
+weights, so the current ones are re-sent before it gets work); one that is gone for good
+leaves the pool, and the run goes on with the others. A chunk that comes back generated
+with older weights than were sent before it (its generator restarted before the driver
+heard of the death) is redone too, and so is one whose batch was lost with its node. A
+generator that hangs (has chunks in flight and finishes none for
+``generation_timeout_s``) is killed, and then handled as one that died. A generator
+whose process died between calls (killed by Ray's memory monitor while it waited) fails
+no call: Ray restarts it, the next publication brings it to the current weights, and its
+next chunk, from another process than its last, counts it.
 Every such event is counted (``pipeline/generator_failures``,
 ``pipeline/generators_lost``, ``pipeline/generators_hung``,
 ``pipeline/generator_restarts``, ``pipeline/chunks_redone``,
