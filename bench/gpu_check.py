@@ -16,7 +16,15 @@ minutes on one H100), one table at the end:
 * ``faiss``: faiss-gpu against faiss-cpu on one flat index (the same top hits, queries/s
   each);
 * ``pipeline``: ``pipelines/tspo.py`` for 3 steps on one GPU (SmolLM2 learner and a vLLM
-  generator sharing it), through its checkpoint.
+  generator sharing it), through its checkpoint;
+* ``scale``: the learner itself (no Ray, one process, FSDP2 or DDP over a process group of
+  one) at the sizes a Search-R1 run trains: SmolLM2-135M's and Qwen2.5-3B's
+  architectures with random weights (no download: the step's cost and memory do not
+  depend on the weights' values), float32 master weights under bf16 autocast, a batch of
+  Search-R1-sized trajectories (80 rows, a 256-token prompt and up to 4 turns of 400
+  tokens) with random non-zero advantages; per case the update's seconds, trained
+  tokens/s, the GPU's peak memory (allocated and reserved) and what
+  :mod:`ray_credit.pipeline.memory` estimates for the same settings (their ratio).
 
 A check that fails is reported as failed with its error and the others still run; the
 exit status says whether all passed. ``--dry-run`` builds every check's settings and
@@ -26,6 +34,7 @@ imports what each needs, and stops before the first CUDA call (CI runs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -47,10 +56,46 @@ from ray_credit.actors.learner import LearnerConfig  # noqa: E402
 from ray_credit.actors.sampling import VLLMConfig  # noqa: E402
 from ray_credit.data import WorldConfig, make_world  # noqa: E402
 
-CHECKS = ("vllm", "raw", "learner", "faiss", "pipeline")
-NEEDS = {"vllm": ["vllm"], "raw": ["vllm"], "learner": ["torch"], "faiss": ["faiss"],
-         "pipeline": ["vllm", "ray"]}  # fmt: skip
+CHECKS = ("vllm", "raw", "learner", "faiss", "pipeline", "scale")
+NEEDS = {"vllm": ["vllm"], "raw": ["vllm"], "learner": ["torch", "ray"], "faiss": ["faiss"],
+         "pipeline": ["vllm", "ray"], "scale": ["torch", "transformers"]}  # fmt: skip
 MODEL = "smollm2-135m"
+
+# The architectures of the scale check, from their published config.json files (random
+# weights are built from these; nothing is downloaded).
+ARCHITECTURES = {
+    "smollm2-135m": {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+    },
+    "qwen2.5-3b": {
+        "model_type": "qwen2", "hidden_size": 2048, "intermediate_size": 11008,
+        "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+    },
+    "qwen2.5-7b": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 152064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+    },
+}  # fmt: skip
+# (architecture, strategy, LearnerConfig settings beyond the shared ones), in order: a
+# case that runs out of memory is reported and the next still runs.
+SCALE_CASES = (
+    ("smollm2-135m", "ddp", {"micro_batch_tokens": 8192}),
+    ("smollm2-135m", "fsdp", {"micro_batch_tokens": 8192}),
+    ("qwen2.5-3b", "fsdp", {"micro_batch_tokens": 4096, "gradient_checkpointing": True}),
+    ("qwen2.5-3b", "fsdp", {"micro_batch_tokens": 4096, "gradient_checkpointing": True,
+                            "kl_coef": 0.001}),
+    ("qwen2.5-3b", "ddp", {"micro_batch_tokens": 4096, "gradient_checkpointing": True,
+                           "kl_coef": 0.001}),
+    ("qwen2.5-7b", "fsdp", {"micro_batch_tokens": 4096, "gradient_checkpointing": True,
+                            "kl_coef": 0.001, "dtype": "bfloat16", "lora": {"rank": 64}}),
+)  # fmt: skip
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -216,6 +261,189 @@ def check_pipeline(cfg: dict, out: dict) -> None:
     out["ok"] = summary["steps"] == 3
 
 
+class _PadOnly:
+    """The tokenizer of a scale case: the update reads only its pad id (the batch's token
+    ids are random)."""
+
+    pad_token_id = 0
+
+
+class _Phases:
+    """CUDA memory over the phases of an update, in GiB: allocated when a phase starts,
+    its peak (allocated and reserved) and allocated when it ends, the maximum over its
+    calls. Phases nest (the optimizer's step runs inside the passes); without CUDA it
+    records nothing."""
+
+    def __init__(self, torch_module) -> None:
+        self.torch = torch_module
+        self.record: dict[str, dict[str, float]] = {}
+        self._open: list[list[float]] = []  # per open phase: its peak so far, reserved
+
+    def wrap(self, name: str, fn):
+        def run(*args, **kwargs):
+            with self(name):
+                return fn(*args, **kwargs)
+
+        return run
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.torch is None:
+            yield
+            return
+        cuda = self.torch.cuda
+        cuda.synchronize()
+        if self._open:  # the enclosing phase's peak until now, before the counter resets
+            self._open[-1][0] = max(self._open[-1][0], cuda.max_memory_allocated())
+            self._open[-1][1] = max(self._open[-1][1], cuda.max_memory_reserved())
+        start = cuda.memory_allocated()
+        cuda.reset_peak_memory_stats()
+        peaks = [0.0, 0.0]
+        self._open.append(peaks)
+        try:
+            yield
+        finally:
+            cuda.synchronize()
+            self._open.pop()
+            gb = 1024**3
+            now = {"start_gb": start / gb,
+                   "peak_gb": max(peaks[0], cuda.max_memory_allocated()) / gb,
+                   "reserved_gb": max(peaks[1], cuda.max_memory_reserved()) / gb,
+                   "end_gb": cuda.memory_allocated() / gb}  # fmt: skip
+            seen = self.record.setdefault(name, now)
+            for key, value in now.items():
+                seen[key] = max(seen[key], value)
+
+
+def scale_batch(rows_per_group: int = 5, groups: int = 16, seed: int = 0):
+    """Search-R1-sized trajectories: a 256-token prompt, 1-4 turns of 400 tokens (half
+    generated, half retrieved), random non-zero advantages on every turn."""
+    import numpy as np
+
+    from ray_credit.testing import random_batch
+
+    batch = random_batch(seed, num_groups=groups, group_size=rows_per_group, max_turns=4,
+                         singleton_frac=0.0, prompt_tokens=256, tokens_per_turn=400)  # fmt: skip
+    advantages = np.random.default_rng(seed).normal(size=batch.num_turns).astype(np.float32)
+    return batch.with_turn_columns({"turn_advantages": advantages})
+
+
+def scale_config(settings: dict):
+    """The LearnerConfig of a scale case: lr 1e-6, bf16 autocast, rows run whole."""
+    from ray_credit.actors.learner import LearnerConfig
+    from ray_credit.actors.lora import LoraConfig
+
+    settings = dict(settings)
+    if "lora" in settings:
+        settings["lora"] = LoraConfig(**settings["lora"])
+    return LearnerConfig(lr=1e-6, autocast="bfloat16", share_prefix=False, **settings)
+
+
+def scale_estimate(arch: dict, strategy: str, config) -> dict:
+    """ray_credit.pipeline.memory's learner row for one worker with ``config``."""
+    from types import SimpleNamespace
+
+    from ray_credit.pipeline.memory import ModelShape, estimate
+
+    resources = SimpleNamespace(use_gpu=True, learner_workers=1, learner_strategy=strategy,
+                                generator_gpus=0)  # fmt: skip
+    cfg = SimpleNamespace(resources=resources, learner=config, generator=None)
+    return estimate(cfg, ModelShape.from_config(arch), None)[0]
+
+
+def scale_case(arch: dict, strategy: str, settings: dict, batch, device: str) -> dict:
+    """One learner update of ``arch`` (random weights) on ``batch``: seconds, trained
+    tokens/s, peak memory (CUDA only) and the memory estimate of the same settings. The
+    caller has joined a process group (of one)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ray_credit.actors.learner import Learner, TorchDistributed, TorchFSDP
+
+    config = scale_config(settings)
+    cuda = device.startswith("cuda")
+    phases = _Phases(torch if cuda else None)
+    if cuda:
+        torch.cuda.empty_cache()
+    hf_config = AutoConfig.for_model(**arch)
+    torch.manual_seed(0)
+    with phases("init"):
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, config.dtype))
+        world = TorchFSDP() if strategy == "fsdp" else TorchDistributed()
+        learner = Learner((model.eval(), _PadOnly()), config, device=device, world=world)
+    for method, phase in (("_logprobs_no_grad", "reference"), ("_optimizer_step", "passes"),
+                          ("_clip_and_step", "optimizer")):  # fmt: skip
+        setattr(learner, method, phases.wrap(phase, getattr(learner, method)))
+    out: dict = {"params_b": sum(p.numel() for p in model.parameters()) / 1e9}
+    try:
+        learner.train(batch)  # the first update allocates AdamW's state and warms kernels
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        metrics = learner.train(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        out.update(step_s=seconds, tokens=metrics["learner/tokens"],
+                   tokens_per_s=metrics["learner/tokens"] / seconds,
+                   loss=metrics.get("learner/loss"), grad_norm=metrics.get("learner/grad_norm"))  # fmt: skip
+        if cuda:
+            out["peak_allocated_gb"] = max(r["peak_gb"] for r in phases.record.values())
+            out["peak_reserved_gb"] = max(r["reserved_gb"] for r in phases.record.values())
+            out["phases_gb"] = {k: {f: round(v, 2) for f, v in r.items()}
+                                for k, r in phases.record.items()}  # fmt: skip
+    finally:
+        del learner, model
+        if cuda:
+            torch.cuda.empty_cache()
+    row = scale_estimate(arch, strategy, config)
+    out["estimate_gb"] = row["total"]
+    if "peak_reserved_gb" in out:
+        out["estimate_over_peak"] = row["total"] / out["peak_reserved_gb"]
+    return out
+
+
+def case_name(arch: str, strategy: str, settings: dict) -> str:
+    """A scale case's key in the results."""
+    return f"{arch} {strategy}" + "".join(f" {k}={v}" for k, v in settings.items())
+
+
+def join_group_of_one(backend: str) -> None:
+    """A process group of one (what a LearnerGroup's single worker joins)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)  # fmt: skip
+
+
+def check_scale(cfg: dict, out: dict) -> None:
+    join_group_of_one("nccl")
+    batch = scale_batch()
+    failed = []
+    for arch, strategy, settings in SCALE_CASES:
+        name = case_name(arch, strategy, settings)
+        try:
+            out[name] = scale_case(ARCHITECTURES[arch], strategy, settings, batch, "cuda")
+        except Exception as err:  # out of memory, say: reported, the next case still runs
+            out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            failed.append(name)
+        print(f"  scale {name}: {out[name]}", flush=True)
+    out["ok"] = not failed
+
+
+def _figures(values: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                     for k, v in values.items())  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -264,14 +492,14 @@ def main() -> int:
     print(f"\nGPU check on {card} ({time.perf_counter() - started:.0f} s in all)")
     print(f"{'check':<9} {'ok':<5} figures")
     for check, out in results.items():
-        figures = ", ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in out.items()
-            if k not in ("ok", "error")
-        )
-        print(
-            f"{check:<9} {str(out['ok']):<5} {figures}{'; ' + out['error'] if 'error' in out else ''}"
-        )
+        flat = {
+            k: v for k, v in out.items() if k not in ("ok", "error") and not isinstance(v, dict)
+        }
+        error = f"; {out['error']}" if "error" in out else ""
+        print(f"{check:<9} {str(out['ok']):<5} {_figures(flat)}{error}")
+        for case, figures in out.items():  # the scale check's cases, one line each
+            if isinstance(figures, dict):
+                print(f"{'':<15} {case}: {_figures(figures)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": " ".join(sys.argv), "card": card, "torch": torch.__version__,

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 
@@ -15,8 +17,8 @@ def test_the_dry_run_sets_up_every_check_without_a_gpu():
     out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True,
                          text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "5 checks set up, nothing run on a GPU" in out.stdout
-    for check in ("vllm", "raw", "learner", "faiss", "pipeline"):
+    assert "6 checks set up, nothing run on a GPU" in out.stdout
+    for check in ("vllm", "raw", "learner", "faiss", "pipeline", "scale"):
         assert f"  {check}" in out.stdout
     # the pipeline it would run is one a local Ray of one GPU places
     assert "--resources.learner_gpus 0.5 --resources.generator_gpus 0.4" in out.stdout
@@ -47,3 +49,27 @@ def test_the_pipeline_check_places_on_one_gpu():
     placement = place(run_asks(cfg, set()), local_nodes(cfg.resources, 16), "one GPU")
     assert placement.spots["learner 0"].gpus == ((0, 0.5),)
     assert placement.spots["generator 0"].gpus == ((0, 0.4),)
+
+
+def test_a_scale_case_trains_and_estimates_its_memory_on_a_cpu():
+    """The scale check's update, on a process group of one over gloo, with the KL
+    reference and LoRA of its largest case, on a two-layer model of that architecture."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_check import ARCHITECTURES, SCALE_CASES, join_group_of_one, scale_batch, scale_case
+
+    arch, strategy, settings = SCALE_CASES[-1]
+    assert settings["kl_coef"] > 0 and settings["lora"]["rank"] > 0
+    tiny = dict(ARCHITECTURES[arch], hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=32_000)  # fmt: skip
+    import torch.distributed as dist
+
+    join_group_of_one("gloo")
+    try:
+        out = scale_case(tiny, strategy, settings, scale_batch(rows_per_group=2, groups=2), "cpu")
+    finally:  # the other tests run without a process group
+        dist.destroy_process_group()
+    assert out["tokens"] > 0 and out["step_s"] > 0
+    assert np.isfinite(out["loss"]) and out["grad_norm"] > 0
+    assert 0 < out["estimate_gb"] < 10  # a two-layer model's bf16 weights, adapters, logits
+    assert "peak_reserved_gb" not in out  # measured on CUDA only
