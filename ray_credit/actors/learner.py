@@ -543,6 +543,9 @@ class Learner:
                     sums["ratio_max"], float((pg.ratio * m).max()) if m.any() else 0.0
                 )
                 token_count += float(m.sum())
+        # the last micro-batch's logits and per-token tensors (on a 150k vocabulary, GBs)
+        # are not held through AdamW's step, whose own temporaries peak there
+        logits = logp = pg = per_token = entropy = loss = kl = None
         grad_norm = self._clip_and_step()
         local = {k: v for k, v in sums.items() if k not in ("loss", "pg_loss", "ratio_max")}
         summed = self.world.all_reduce_sum(

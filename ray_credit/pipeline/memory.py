@@ -7,10 +7,19 @@ workers; with LoRA only the adapters train), the frozen reference of a KL loss, 
 micro-batch's activations and float32 logits; a vLLM generator takes
 ``gpu_memory_utilization`` of its GPU (its share of it, beside the scorer), the weights
 first and the KV cache the rest; the info-gain scorer holds the policy's weights. Each is
-an estimate (activations especially): it is printed as a table, and a GPU it will not
-fit gets a warning that says what to change. The GPU's memory is
-``resources.gpu_memory_gb``, else what ``nvidia-smi`` reports on this machine (no CUDA
-call), else unknown (no check).
+an estimate: it is printed as a table, and a GPU it will not fit gets a warning that says
+what to change.
+
+The learner's transient terms are measured, not derived: what the update keeps for the
+backward pass per token and layer (about 36 bytes per hidden unit and 8 per intermediate
+unit under bf16 autocast), per logit (16 bytes: the bf16 projection, its float32 copy,
+the log-softmax and their gradients) and at AdamW's step (a temporary the size of the
+trained parameters' state) were read off the learner's live tensors on a CPU, and the
+totals checked against one H200 (``bench/gpu_check.py --only scale``). There the estimate
+covered the peak without a KL reference, and fell short with one under FSDP (about 0.7
+of the memory the GPU reserved at peak) and with LoRA and a KL to the base (about 0.35):
+those rows say so. The GPU's memory is ``resources.gpu_memory_gb``, else what
+``nvidia-smi`` reports on this machine (no CUDA call), else unknown (no check).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ GB = 1024**3
 _VLLM_OVERHEAD_GB = 2.0  # CUDA context, graphs and the sampler's buffers, per engine
 _LEARNER_OVERHEAD_GB = 1.0  # CUDA context and the allocator's slack, per worker
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+_LOGIT_BYTES = 16  # per position and vocabulary entry, forward and backward (measured)
 
 
 @dataclass(frozen=True)
@@ -124,18 +134,21 @@ def estimate(
             reference = weights if lr.kl_coef > 0 else 0.0
         tokens = lr.micro_batch_tokens
         abytes = 2 if lr.autocast else pbytes
-        layer = shape.hidden * 6 + shape.intermediate * 3  # one block's saved tensors / token
-        if lr.gradient_checkpointing:
-            acts = tokens * (shape.hidden * shape.layers + layer) * abytes
+        layer = shape.hidden * 18 + shape.intermediate * 4  # one block's saved tensors / token
+        if lr.gradient_checkpointing:  # each block's input (the residual stream) and one block
+            acts = tokens * (shape.hidden * shape.layers * pbytes + layer * abytes)
         else:
             acts = tokens * layer * shape.layers * abytes
-        logits = tokens * shape.vocab * 4 * 2  # float32 logits and their gradient
+        logits = tokens * shape.vocab * _LOGIT_BYTES
         gathered = 2 * (shape.params / shape.layers) * pbytes if shards > 1 else 0.0
         parts = {"weights": weights, "gradients": grads, "AdamW": adam, "reference": reference,
-                 "activations": acts + logits + gathered,
+                 "activations": acts + logits + gathered, "AdamW step": adam / 2,
                  "overhead": _LEARNER_OVERHEAD_GB * GB}  # fmt: skip
         how = f"{res.learner_strategy} over {shards}" if shards > 1 else "a whole replica"
-        rows.append(_row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb))
+        row = _row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb)
+        if lr.kl_coef > 0 and (lr.lora.rank > 0 or res.learner_strategy == "fsdp"):
+            row["measured_low"] = 0.35 if lr.lora.rank > 0 else 0.7
+        rows.append(row)
     if res.generator_gpus:
         from ray_credit.pipeline.placement import scorer_shares_gpu
 
@@ -209,6 +222,15 @@ def report_memory(cfg: Any, services: set[str] = frozenset()) -> list[str]:
                 "(--resources.learner_strategy fsdp, more learner_workers), train adapters "
                 "(--learner.lora.rank 64), turn on --learner.gradient_checkpointing, or halve "
                 "--learner.micro_batch_tokens"
+            )
+        if "measured_low" in row:
+            how = "LoRA with a KL to the base" if cfg.learner.lora.rank > 0 else (
+                "a KL reference under FSDP")  # fmt: skip
+            warnings.append(
+                f"warning: for {how}, this estimate came to about {row['measured_low']} of the "
+                f"memory one GPU reserved at peak (docs/benchmarks.md): plan for "
+                f"{row['total'] / row['measured_low']:.0f} GB, or measure this model with "
+                "bench/gpu_check.py --only scale"
             )
         lines.append(line)
     log.info("\n".join(lines))
