@@ -18,12 +18,13 @@ minutes on one H100), one table at the end:
 * ``pipeline``: ``pipelines/tspo.py`` for 3 steps on one GPU (SmolLM2 learner and a vLLM
   generator sharing it), through its checkpoint;
 * ``scale``: the learner itself (no Ray, one process, FSDP2 or DDP over a process group of
-  one) at the sizes a Search-R1 run trains: SmolLM2-135M's and Qwen2.5-3B's
-  architectures with random weights (no download: the step's cost and memory do not
-  depend on the weights' values), float32 master weights under bf16 autocast, a batch of
-  Search-R1-sized trajectories (80 rows, a 256-token prompt and up to 4 turns of 400
-  tokens) with random non-zero advantages; per case the update's seconds, trained
-  tokens/s, the GPU's peak memory (allocated and reserved) and what
+  one) at the sizes a Search-R1 run trains: SmolLM2-135M's, Qwen2.5-3B's and
+  Qwen2.5-7B's (LoRA) architectures with random weights (no download: the step's cost
+  and memory do not depend on the weights' values), float32 master weights under bf16
+  autocast, a batch of Search-R1-sized trajectories (80 rows, a 256-token prompt and up
+  to 4 turns of 400 tokens) with random non-zero advantages; per case the update's
+  seconds, trained tokens/s, the GPU's peak memory (allocated and reserved; per phase:
+  building, the reference's log-probs, the passes, AdamW's step) and what
   :mod:`ray_credit.pipeline.memory` estimates for the same settings (their ratio).
 
 A check that fails is reported as failed with its error and the others still run; the
@@ -354,7 +355,7 @@ def scale_estimate(arch: dict, strategy: str, config) -> dict:
 def scale_case(arch: dict, strategy: str, settings: dict, batch, device: str) -> dict:
     """One learner update of ``arch`` (random weights) on ``batch``: seconds, trained
     tokens/s, peak memory (CUDA only) and the memory estimate of the same settings. The
-    caller has joined a process group (of one)."""
+    caller has joined a process group (:func:`ray_credit.testing.process_group_of_one`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -409,33 +410,20 @@ def case_name(arch: str, strategy: str, settings: dict) -> str:
     return f"{arch} {strategy}" + "".join(f" {k}={v}" for k, v in settings.items())
 
 
-def join_group_of_one(backend: str) -> None:
-    """A process group of one (what a LearnerGroup's single worker joins)."""
-    import socket
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)  # fmt: skip
-
-
 def check_scale(cfg: dict, out: dict) -> None:
-    join_group_of_one("nccl")
+    from ray_credit.testing import process_group_of_one
+
     batch = scale_batch()
     failed = []
-    for arch, strategy, settings in SCALE_CASES:
-        name = case_name(arch, strategy, settings)
-        try:
-            out[name] = scale_case(ARCHITECTURES[arch], strategy, settings, batch, "cuda")
-        except Exception as err:  # out of memory, say: reported, the next case still runs
-            out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-            failed.append(name)
-        print(f"  scale {name}: {out[name]}", flush=True)
+    with process_group_of_one("nccl"):
+        for arch, strategy, settings in SCALE_CASES:
+            name = case_name(arch, strategy, settings)
+            try:
+                out[name] = scale_case(ARCHITECTURES[arch], strategy, settings, batch, "cuda")
+            except Exception as err:  # out of memory, say: reported, the next still runs
+                out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                failed.append(name)
+            print(f"  scale {name}: {out[name]}", flush=True)
     out["ok"] = not failed
 
 

@@ -1,13 +1,15 @@
-"""Batch builders for tests, benchmarks and examples.
+"""Batch builders and helpers for tests, benchmarks and examples.
 
 :func:`make_batch` states a small case in a few lines; :func:`random_batch` builds a large
 random batch straight from numpy (ragged turns, singleton groups, all-equal groups,
 all-wrong groups, null signals), so it costs milliseconds even at bench scale.
+:func:`process_group_of_one` runs DDP or FSDP2 over a single rank in this process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,7 @@ import pyarrow as pa
 
 from ray_credit.batch import COLUMNS, TURN_STRUCT, TrajectoryBatch
 
-__all__ = ["make_batch", "random_batch"]
+__all__ = ["make_batch", "max_logprob_gap", "process_group_of_one", "random_batch"]
 
 
 def make_batch(rows: Sequence[Mapping[str, Any]]) -> TrajectoryBatch:
@@ -208,3 +210,25 @@ def max_logprob_gap(model: Any, batch: TrajectoryBatch) -> float:
         if mask.any():
             worst = max(worst, float(np.abs(forced[mask] - behavior[mask]).max()))
     return worst
+
+
+@contextlib.contextmanager
+def process_group_of_one(backend: str = "gloo") -> Iterator[None]:
+    """A torch.distributed process group of this process alone (``"gloo"`` on CPUs,
+    ``"nccl"`` on a GPU), destroyed on exit: the learner's DDP and FSDP2 hooks
+    (:class:`~ray_credit.actors.learner.TorchFSDP`) then run as each rank of a learner
+    group runs them, without Ray."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

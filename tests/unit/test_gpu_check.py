@@ -55,21 +55,54 @@ def test_a_scale_case_trains_and_estimates_its_memory_on_a_cpu():
     """The scale check's update, on a process group of one over gloo, with the KL
     reference and LoRA of its largest case, on a two-layer model of that architecture."""
     sys.path.insert(0, str(ROOT / "bench"))
-    from gpu_check import ARCHITECTURES, SCALE_CASES, join_group_of_one, scale_batch, scale_case
+    from gpu_check import ARCHITECTURES, SCALE_CASES, scale_batch, scale_case
+
+    from ray_credit.testing import process_group_of_one
 
     arch, strategy, settings = SCALE_CASES[-1]
     assert settings["kl_coef"] > 0 and settings["lora"]["rank"] > 0
     tiny = dict(ARCHITECTURES[arch], hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=32_000)  # fmt: skip
-    import torch.distributed as dist
-
-    join_group_of_one("gloo")
-    try:
+    with process_group_of_one("gloo"):
         out = scale_case(tiny, strategy, settings, scale_batch(rows_per_group=2, groups=2), "cpu")
-    finally:  # the other tests run without a process group
-        dist.destroy_process_group()
     assert out["tokens"] > 0 and out["step_s"] > 0
     assert np.isfinite(out["loss"]) and out["grad_norm"] > 0
     assert 0 < out["estimate_gb"] < 10  # a two-layer model's bf16 weights, adapters, logits
     assert "peak_reserved_gb" not in out  # measured on CUDA only
+
+
+def test_phase_peaks_nest_over_a_counter_that_each_phase_resets():
+    """_Phases over a stand-in for torch.cuda's counters: the passes' peak includes the
+    optimizer step that ran inside them (whose start reset the counter)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from types import SimpleNamespace
+
+    from gpu_check import _Phases
+
+    gb = 1024**3
+    state = {"now": 0, "peak": 0}
+
+    def allocate(n):
+        state["now"] += n * gb
+        state["peak"] = max(state["peak"], state["now"])
+
+    cuda = SimpleNamespace(
+        synchronize=lambda: None, memory_allocated=lambda: state["now"],
+        max_memory_allocated=lambda: state["peak"], max_memory_reserved=lambda: state["peak"],
+        reset_peak_memory_stats=lambda: state.update(peak=state["now"]),
+    )  # fmt: skip
+    phases = _Phases(SimpleNamespace(cuda=cuda))
+    with phases("passes"):
+        allocate(10)  # activations
+        allocate(-10)
+        allocate(2)  # gradients
+        with phases("optimizer"):
+            allocate(30)  # AdamW's temporaries
+            allocate(-30)
+    assert phases.record["optimizer"] == {"start_gb": 2, "peak_gb": 32, "reserved_gb": 32,
+                                          "end_gb": 2}  # fmt: skip
+    assert phases.record["passes"]["peak_gb"] == 32 and phases.record["passes"]["start_gb"] == 0
+    with phases("passes"):  # a second call: the maximum of both
+        allocate(5)
+    assert phases.record["passes"]["end_gb"] == 7 and phases.record["passes"]["peak_gb"] == 32

@@ -127,25 +127,17 @@ def test_an_fsdp_reference_is_resharded_after_its_pass(batch):
     """Under FSDP a frozen model's forward (the KL reference) leaves the root module's own
     parameters (the embeddings) gathered, for a backward that never comes: the learner
     reshards it, so the reference holds its shard alone between updates."""
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from ray_credit.actors.learner import TorchFSDP
+    from ray_credit.testing import process_group_of_one
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with process_group_of_one("gloo"):
         learner = _learner(LearnerConfig(lr=1e-3, kl_coef=0.1), world=TorchFSDP())
         metrics = learner.train(batch)
         assert metrics["learner/kl"] >= 0.0
         whole = [n for n, p in learner.reference.named_parameters() if not isinstance(p, DTensor)]
         assert whole == []
-    finally:
-        dist.destroy_process_group()
 
 
 def test_off_policy_corrections(batch):
