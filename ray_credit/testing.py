@@ -80,6 +80,7 @@ def random_batch(
     policy_version: int = 0,
     prompt_tokens: int = 0,
     tokens_per_turn: int = 0,
+    vocab_size: int = 32_000,
 ) -> TrajectoryBatch:
     """A random batch with every signal column an estimator may read.
 
@@ -90,7 +91,8 @@ def random_batch(
     ``id_prefix`` starts every group and trajectory id (batches that will be concatenated
     need different ones); every turn carries ``policy_version``. With ``tokens_per_turn >
     0`` the batch also has the learner's token columns: ``prompt_tokens`` prompt tokens,
-    then ``tokens_per_turn`` per turn, the first half generated and the rest observation.
+    then ``tokens_per_turn`` per turn, the first half generated and the rest observation,
+    token ids below ``vocab_size``.
     """
     rng = np.random.default_rng(rng)
     sizes = np.where(rng.random(num_groups) < singleton_frac, 1, group_size)
@@ -166,12 +168,12 @@ def random_batch(
         "sp1_outcome_reasoning": pa.array(rng.choice(np.array([0, 0.5, 0.8, 1], np.float32), n)),
     }
     if tokens_per_turn > 0:
-        columns.update(_token_columns(rng, turns, prompt_tokens, tokens_per_turn))
+        columns.update(_token_columns(rng, turns, prompt_tokens, tokens_per_turn, vocab_size))
     return TrajectoryBatch.from_table(pa.table(columns))
 
 
 def _token_columns(
-    rng: np.random.Generator, turns: np.ndarray, prompt: int, per_turn: int
+    rng: np.random.Generator, turns: np.ndarray, prompt: int, per_turn: int, vocab: int
 ) -> dict[str, pa.Array]:
     lengths = prompt + turns * per_turn
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
@@ -185,7 +187,7 @@ def _token_columns(
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
     return {
-        "input_ids": tokens(rng.integers(0, 32_000, len(owner), dtype=np.int32)),
+        "input_ids": tokens(rng.integers(0, vocab, len(owner), dtype=np.int32)),
         "loss_mask": tokens(generated.astype(np.int8)),
         "token_turn": tokens(turn),
         "behavior_logprobs": tokens(logprobs),

@@ -13,8 +13,9 @@ what to change.
 The learner's transient terms are measured, not derived: what the update keeps for the
 backward pass per token and layer (about 36 bytes per hidden unit and 8 per intermediate
 unit under bf16 autocast), per logit (16 bytes: the bf16 projection, its float32 copy,
-the log-softmax and their gradients) and at AdamW's step (a temporary the size of the
-trained parameters' state) were read off the learner's live tensors on a CPU, and the
+the log-softmax and their gradients) and at AdamW's step (temporaries 1.3 times one
+moment of its state) were read off the learner's live tensors on a CPU
+(``bench/memory_terms.py``), and the
 totals checked against one H200 (``bench/gpu_check.py --only scale``). There the estimate
 covered the peak without a KL reference, and fell short with one under FSDP (about 0.7
 of the memory the GPU reserved at peak) and with LoRA and a KL to the base (about 0.35):
@@ -39,7 +40,13 @@ GB = 1024**3
 _VLLM_OVERHEAD_GB = 2.0  # CUDA context, graphs and the sampler's buffers, per engine
 _LEARNER_OVERHEAD_GB = 1.0  # CUDA context and the allocator's slack, per worker
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
-_LOGIT_BYTES = 16  # per position and vocabulary entry, forward and backward (measured)
+# Measured (bench/memory_terms.py): what an update holds per position and vocabulary entry
+# (bytes, forward and backward), and per token and layer the elements (in the activations'
+# dtype) per hidden and per intermediate unit that a block keeps for its backward.
+_LOGIT_BYTES = 16
+_LAYER_HIDDEN = 18
+_LAYER_INTERMEDIATE = 4
+_ADAMW_STEP = 1.3  # AdamW's step: temporaries over the bytes of one moment of its state
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,7 @@ def estimate(
             reference = weights if lr.kl_coef > 0 else 0.0
         tokens = lr.micro_batch_tokens
         abytes = 2 if lr.autocast else pbytes
-        layer = shape.hidden * 18 + shape.intermediate * 4  # one block's saved tensors / token
+        layer = shape.hidden * _LAYER_HIDDEN + shape.intermediate * _LAYER_INTERMEDIATE
         if lr.gradient_checkpointing:  # each block's input (the residual stream) and one block
             acts = tokens * (shape.hidden * shape.layers * pbytes + layer * abytes)
         else:
@@ -142,7 +149,7 @@ def estimate(
         logits = tokens * shape.vocab * _LOGIT_BYTES
         gathered = 2 * (shape.params / shape.layers) * pbytes if shards > 1 else 0.0
         parts = {"weights": weights, "gradients": grads, "AdamW": adam, "reference": reference,
-                 "activations": acts + logits + gathered, "AdamW step": adam / 2,
+                 "activations": acts + logits + gathered, "AdamW step": _ADAMW_STEP * adam / 2,
                  "overhead": _LEARNER_OVERHEAD_GB * GB}  # fmt: skip
         how = f"{res.learner_strategy} over {shards}" if shards > 1 else "a whole replica"
         row = _row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb)

@@ -116,3 +116,15 @@ def test_the_learner_estimate_covers_the_peaks_measured_on_a_gpu():
         assert row["total"] >= share * peak, (arch, strategy, settings, row["total"], peak)
         checked += 1
     assert checked >= 5
+
+
+def test_the_estimates_terms_are_what_the_learner_holds_on_a_cpu():
+    """bench/memory_terms.py on toy models: the bytes an update holds per logit, per token
+    and layer (per hidden and intermediate unit) and at AdamW's step are at most what the
+    estimate counts, and not far below it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from memory_terms import estimator_constants, measure
+
+    measured = measure(turn=512, vocabs=(8000, 12000))
+    for term, counted in estimator_constants().items():
+        assert 0.6 * counted <= measured[term] <= counted, (term, measured[term], counted)
