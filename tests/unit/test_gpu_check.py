@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
@@ -51,6 +52,7 @@ def test_the_pipeline_check_places_on_one_gpu():
     assert placement.spots["generator 0"].gpus == ((0, 0.4),)
 
 
+@pytest.mark.e2e  # two learner updates with a KL reference: the second test command
 def test_a_scale_case_trains_and_estimates_its_memory_on_a_cpu():
     """The scale check's update, on a process group of one over gloo, with the KL
     reference and LoRA of its largest case, on a two-layer model of that architecture."""

@@ -118,6 +118,7 @@ def test_the_learner_estimate_covers_the_peaks_measured_on_a_gpu():
     assert checked >= 5
 
 
+@pytest.mark.e2e  # five learner updates of toy models: the second test command
 def test_the_estimates_terms_are_what_the_learner_holds_on_a_cpu():
     """bench/memory_terms.py on toy models: the bytes an update holds per logit, per token
     and layer (per hidden and intermediate unit) and at AdamW's step are at most what the
