@@ -11,12 +11,12 @@ an estimate: it is printed as a table, and a GPU it will not fit gets a warning 
 what to change.
 
 The learner's transient terms are measured, not derived: what the update keeps for the
-backward pass per token and layer (about 36 bytes per hidden unit and 8 per intermediate
-unit under bf16 autocast), per logit (16 bytes: the bf16 projection, its float32 copy,
-the log-softmax and their gradients) and at AdamW's step (temporaries 1.3 times one
-moment of its state) were read off the learner's live tensors on a CPU
-(``bench/memory_terms.py``), and the
-totals checked against one H200 (``bench/gpu_check.py --only scale``). There the estimate
+backward pass per token and layer (counted as 36 bytes per hidden unit and 8 per
+intermediate unit under bf16 autocast), per logit (16 bytes: the bf16 projection, its
+float32 copy, the log-softmax and their gradients) and at AdamW's step (temporaries 1.3
+times one moment of its state) were read off the learner's live tensors on a CPU
+(``bench/memory_terms.py``), and the totals checked against one H200
+(``bench/gpu_check.py --only scale``). There the estimate
 covered the peak without a KL reference, and fell short with one under FSDP (about 0.7
 of the memory the GPU reserved at peak) and with LoRA and a KL to the base (about 0.35):
 those rows say so. The GPU's memory is ``resources.gpu_memory_gb``, else what
