@@ -262,13 +262,6 @@ def check_pipeline(cfg: dict, out: dict) -> None:
     out["ok"] = summary["steps"] == 3
 
 
-class _PadOnly:
-    """The tokenizer of a scale case: the update reads only its pad id (the batch's token
-    ids are random)."""
-
-    pad_token_id = 0
-
-
 class _Phases:
     """CUDA memory over the phases of an update, in GiB: allocated when a phase starts,
     its peak (allocated and reserved) and allocated when it ends, the maximum over its
@@ -360,6 +353,7 @@ def scale_case(arch: dict, strategy: str, settings: dict, batch, device: str) ->
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ray_credit.actors.learner import Learner, TorchDistributed, TorchFSDP
+    from ray_credit.testing import PadOnlyTokenizer
 
     config = scale_config(settings)
     cuda = device.startswith("cuda")
@@ -372,7 +366,7 @@ def scale_case(arch: dict, strategy: str, settings: dict, batch, device: str) ->
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, config.dtype))
         world = TorchFSDP() if strategy == "fsdp" else TorchDistributed()
-        learner = Learner((model.eval(), _PadOnly()), config, device=device, world=world)
+        learner = Learner((model.eval(), PadOnlyTokenizer()), config, device=device, world=world)
     for method, phase in (("_logprobs_no_grad", "reference"), ("_optimizer_step", "passes"),
                           ("_clip_and_step", "optimizer")):  # fmt: skip
         setattr(learner, method, phases.wrap(phase, getattr(learner, method)))

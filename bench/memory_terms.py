@@ -100,7 +100,7 @@ def update_bytes(vocab: int, layers: int, intermediate: int, *, prompt: int, tur
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ray_credit.actors.learner import Learner, LearnerConfig
-    from ray_credit.testing import random_batch
+    from ray_credit.testing import PadOnlyTokenizer, random_batch
 
     batch = random_batch(0, num_groups=1, group_size=1, max_turns=1, singleton_frac=0.0,
                          prompt_tokens=prompt, tokens_per_turn=turn, vocab_size=vocab)  # fmt: skip
@@ -113,7 +113,7 @@ def update_bytes(vocab: int, layers: int, intermediate: int, *, prompt: int, tur
     tracker = LiveBytes()
     positions = []
     with tracker.mode:
-        learner = Learner((model.eval(), _PadOnly()), config)
+        learner = Learner((model.eval(), PadOnlyTokenizer()), config)
         logits = learner._logits
         learner._logits = lambda *a, **k: _noted(logits(*a, **k), positions)
         learner._optimizer_step = tracker.during("passes", learner._optimizer_step)
@@ -124,10 +124,6 @@ def update_bytes(vocab: int, layers: int, intermediate: int, *, prompt: int, tur
     params = sum(p.numel() for p in model.parameters()) * 4
     return {"passes": tracker.peaks["passes"] - held, "optimizer": tracker.peaks["optimizer"] - held,
             "tokens": prompt + turn, "positions": max(positions), "param_bytes": params}  # fmt: skip
-
-
-class _PadOnly:
-    pad_token_id = 0
 
 
 def _noted(logits, positions: list):

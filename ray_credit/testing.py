@@ -17,7 +17,13 @@ import pyarrow as pa
 
 from ray_credit.batch import COLUMNS, TURN_STRUCT, TrajectoryBatch
 
-__all__ = ["make_batch", "max_logprob_gap", "process_group_of_one", "random_batch"]
+__all__ = [
+    "PadOnlyTokenizer",
+    "make_batch",
+    "max_logprob_gap",
+    "process_group_of_one",
+    "random_batch",
+]
 
 
 def make_batch(rows: Sequence[Mapping[str, Any]]) -> TrajectoryBatch:
@@ -234,3 +240,10 @@ def process_group_of_one(backend: str = "gloo") -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class PadOnlyTokenizer:
+    """The tokenizer of a learner trained on random token ids: its update reads only the
+    pad id."""
+
+    pad_token_id = 0

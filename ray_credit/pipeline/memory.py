@@ -155,6 +155,9 @@ def estimate(
         row = _row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb)
         if lr.kl_coef > 0 and (lr.lora.rank > 0 or res.learner_strategy == "fsdp"):
             row["measured_low"] = 0.35 if lr.lora.rank > 0 else 0.7
+            row["measured_low_for"] = (
+                "LoRA with a KL to the base" if lr.lora.rank > 0 else "a KL reference under FSDP"
+            )
         rows.append(row)
     if res.generator_gpus:
         from ray_credit.pipeline.placement import scorer_shares_gpu
@@ -231,10 +234,8 @@ def report_memory(cfg: Any, services: set[str] = frozenset()) -> list[str]:
                 "--learner.micro_batch_tokens"
             )
         if "measured_low" in row:
-            how = "LoRA with a KL to the base" if cfg.learner.lora.rank > 0 else (
-                "a KL reference under FSDP")  # fmt: skip
             warnings.append(
-                f"warning: for {how}, this estimate came to about {row['measured_low']} of the "
+                f"warning: for {row['measured_low_for']}, this estimate came to about {row['measured_low']} of the "
                 f"memory one GPU reserved at peak (docs/benchmarks.md): plan for "
                 f"{row['total'] / row['measured_low']:.0f} GB, or measure this model with "
                 "bench/gpu_check.py --only scale"
