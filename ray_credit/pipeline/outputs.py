@@ -127,6 +127,9 @@ class Logger:
         self.file = path.open("a" if resumed_step is not None else "w")
         self.run = None
         self.started = time.perf_counter()
+        # the loss's KL to the reference, when it has one; approx_kl is another quantity
+        # (the sampler's logprobs against the policy's during the update)
+        self.kl_ref = cfg.learner.kl_coef > 0
         wb = cfg.wandb
         if wb.mode != "disabled":
             try:
@@ -172,7 +175,8 @@ class Logger:
             f"all-wrong {row.get('train/groups_all_wrong', 0):.0%} of groups, "
             f"zero-adv {row.get('train/groups_zero_advantage', 0):.0%}  "
             f"loss {row.get('learner/loss', 0):+.4f}  "
-            f"kl {row.get('learner/approx_kl', 0):.2e}  stale≤{int(row.get('staleness/max', 0))}  "
+            + (f"kl_ref {row.get('learner/kl', 0):.2e}  " if self.kl_ref else "")
+            + f"approx_kl {row.get('learner/approx_kl', 0):+.2e}  stale≤{int(row.get('staleness/max', 0))}  "
             f"gen {row.get('gen/tokens_per_s', 0):.0f} tok/s  step {row.get('time/step_s', 0):.0f}s  "
             f"[{elapsed / 60:.1f} min]",
         )

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from ray_credit.config import InputError
+from ray_credit.log import setup_logging
 from ray_credit.pipeline import checkpoint_state
 from ray_credit.pipeline.cli import run_config_class
 from ray_credit.pipeline.configs import EMBEDDED_CONFIG, WandbConfig, load_config
@@ -91,6 +93,7 @@ def test_evaluations_are_kept_only_when_what_decides_them_is_unchanged(capsys):
 class _Run:  # the fields Logger reads of a run config
     name = "run"
     wandb = WandbConfig(mode="disabled")
+    learner = SimpleNamespace(kl_coef=0.0)
 
 
 def _rows(path: Path) -> list[float]:
@@ -115,6 +118,24 @@ def test_a_resumed_logger_drops_the_rows_after_the_checkpoint(tmp_path):
     fresh = Logger(_Run(), tmp_path)  # a new run in the same folder starts afresh
     fresh.finish()
     assert _rows(tmp_path / "metrics.jsonl") == []
+
+
+def test_the_progress_line_tells_the_kl_to_the_reference_from_the_samplers_drift(tmp_path, capsys):
+    setup_logging("info")
+    row = {"pipeline/step": 1, "learner/kl": 3e-4, "learner/approx_kl": -8e-4}
+    plain = Logger(_Run(), tmp_path)
+    plain.step(row, total=2)
+    plain.finish()
+    line = capsys.readouterr().out
+    assert "approx_kl -8.00e-04" in line and "kl_ref" not in line  # no reference, no KL loss
+
+    class _WithReference(_Run):
+        learner = SimpleNamespace(kl_coef=1e-3)
+
+    with_kl = Logger(_WithReference(), tmp_path)
+    with_kl.step(row, total=2)
+    with_kl.finish()
+    assert "kl_ref 3.00e-04  approx_kl -8.00e-04" in capsys.readouterr().out
 
 
 def test_a_damaged_metrics_row_is_named(tmp_path):
