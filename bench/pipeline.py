@@ -198,7 +198,7 @@ def run_mode(args, max_staleness: int, stage_cost: float, tokens_scale: int = 1)
         "staleness_mean": statistics.mean(m["staleness/mean"] for m in history),
         "staleness_max": max(m["staleness/max"] for m in history),
         "tokens_per_step": history[0]["train/tokens"],
-        "sync_seconds_total": history[-1]["sync/seconds"],
+        "wait_publication_s_total": sum(m["time/wait_publication_s"] for m in history),
     }
 
 

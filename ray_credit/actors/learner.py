@@ -406,7 +406,7 @@ class Learner:
             # steps on zero gradients (as it would after them: AdamW's momentum and weight
             # decay still move weights)
             self.counters["learner/zero_gradient_batches"] += 1
-            return self._finish(self._zero_steps(len(schedule)), tensors, n, start, len(schedule))
+            return self._finish(self._zero_steps(len(schedule)), tensors, n, start)
         if self.config.off_policy != "none":
             data["proximal"] = self._logprobs_no_grad(self.model, data, lengths, needed)
         if self.reference is not None:
@@ -416,12 +416,16 @@ class Learner:
                 data["reference"] = self._logprobs_no_grad(self.model, data, lengths, needed)
 
         totals: dict[str, float] = {}
+        ratio_max = 0.0
         for rows in schedule:
             step_metrics = self._optimizer_step(data, lengths, torch.as_tensor(rows), live[rows])
+            ratio_max = max(ratio_max, step_metrics.pop("ratio_max"))
             for key, value in step_metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         steps = self.config.epochs * self.config.mini_batches
-        return self._finish({k: v / steps for k, v in totals.items()}, tensors, n, start, steps)
+        means = {k: v / steps for k, v in totals.items()}  # per optimizer step
+        means["ratio_max"] = ratio_max  # of the whole update
+        return self._finish(means, tensors, n, start)
 
     def _rows_with_gradient(self, data: dict) -> np.ndarray:
         """Which trajectories can add to the gradient: all of them under a KL or entropy
@@ -444,8 +448,11 @@ class Learner:
             self._clip_and_step()
         return {"loss": 0.0, "pg_loss": 0.0, "grad_norm": 0.0}
 
-    def _finish(self, means: dict, tensors: dict, n: int, start: float, steps: int) -> dict:
-        """The update's metrics (``means``: per optimizer step), after the version moves."""
+    def _finish(self, means: dict, tensors: dict, n: int, start: float) -> dict:
+        """The update's metrics (``means``: per optimizer step), after the version moves.
+        ``learner/tokens_per_s``: the batch's trained tokens times the epochs, over the
+        update's seconds (each epoch goes over every token once, whatever the number of
+        mini-batches it is cut into)."""
         metrics = {f"learner/{k}": v for k, v in means.items()}
         self.policy_version += 1
         self.counters["learner/batches"] += 1
@@ -459,7 +466,9 @@ class Learner:
                 "learner/trajectories": float(n),
                 "learner/tokens": tokens,
                 "learner/seconds": seconds,
-                "learner/tokens_per_s": tokens * steps / seconds if seconds > 0 else 0.0,
+                "learner/tokens_per_s": (
+                    tokens * self.config.epochs / seconds if seconds > 0 else 0.0
+                ),
                 **{k: float(v) for k, v in self.counters.items()},
             }
         )

@@ -198,8 +198,11 @@ class InfoGainScorer:
             "scorer/nonfinite": float(nonfinite),
             "scorer/seconds": seconds,
             "scorer/policy_version": float(self.policy_version),
-            "scorer/restarted": float(self._restarted),  # by Ray, after its process died
+            # Ray restarted this process after the last one died: said once, with the
+            # first batch it scores (summed over a step's chunks: the step's restarts)
+            "scorer/restarts": float(self._restarted),
         }
+        self._restarted = False
         return batch.with_traj_columns({"turn_info_gain": column}, metrics=metrics)
 
     def _mean_logprobs(self, rows: list[tuple[list[int], int, int]]) -> tuple[list[float], int]:

@@ -105,6 +105,12 @@ class RunOutputs:
         sync_outputs(self.out, self.storage)
 
 
+def _shown(row: dict, key: str, spec: str) -> str:
+    """``row[key]`` formatted, or "-" where the step did not measure it (an update whose
+    gradient was exactly zero passes no token through the model)."""
+    return format(row[key], spec) if key in row else "-"
+
+
 class Logger:
     """metrics.jsonl, a progress line per step, and wandb (offline by default).
 
@@ -175,8 +181,9 @@ class Logger:
             f"all-wrong {row.get('train/groups_all_wrong', 0):.0%} of groups, "
             f"zero-adv {row.get('train/groups_zero_advantage', 0):.0%}  "
             f"loss {row.get('learner/loss', 0):+.4f}  "
-            + (f"kl_ref {row.get('learner/kl', 0):.2e}  " if self.kl_ref else "")
-            + f"approx_kl {row.get('learner/approx_kl', 0):+.2e}  stale≤{int(row.get('staleness/max', 0))}  "
+            + (f"kl_ref {_shown(row, 'learner/kl', '.2e')}  " if self.kl_ref else "")
+            + f"approx_kl {_shown(row, 'learner/approx_kl', '+.2e')}  "
+            f"stale≤{int(row.get('staleness/max', 0))}  "
             f"gen {row.get('gen/tokens_per_s', 0):.0f} tok/s  step {row.get('time/step_s', 0):.0f}s  "
             f"[{elapsed / 60:.1f} min]",
         )

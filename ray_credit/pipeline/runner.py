@@ -830,9 +830,11 @@ class Pipeline:
             training.interval,
         ]
         t0 = time.perf_counter()
-        self._wait_publication()
+        self._wait_publication()  # the last one: the part of its transfer not hidden
+        t1 = time.perf_counter()  # behind this update
         self._publish()
-        out["time/publish_submit_s"] = time.perf_counter() - t0
+        out["time/wait_publication_s"] = t1 - t0
+        out["time/publish_submit_s"] = time.perf_counter() - t1
         out.update(self.publisher.metrics)
         out.update(self.failures)
         self._dispatch()  # the new version admits more groups: start them first
@@ -1020,6 +1022,9 @@ class Pipeline:
             "seed": self.config.seed,
             "num_questions": len(self.questions),
             "buffered": [[c.start, c.size] for c in done],
+            # the running totals of faults and weight publications, so that a resumed
+            # run's rows go on counting from where this one stopped
+            "counters": {**self.failures, **self.publisher.metrics},
             "config": asdict(self.config),
             "metadata": self.metadata,
         }
@@ -1055,6 +1060,10 @@ class Pipeline:
                 f"{LEARNER_DIR}"
             )
         self.step = int(state["step"])
+        counters = state.get("counters", {})  # none in a checkpoint from before they were
+        for totals in (self.failures, self.publisher.metrics):
+            for key in totals:
+                totals[key] = float(counters.get(key, 0.0))
         self.trained_groups = list(range(self.step * cfg.groups_per_step))
         self._next = self.step * cfg.groups_per_step
         read = ray.remote(_read_chunk).options(num_cpus=0, scheduling_strategy=_on_this_node())

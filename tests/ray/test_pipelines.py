@@ -69,9 +69,9 @@ def test_tspo_with_vllm_generators(ray_cluster, tmp_path):
         json.loads(line) for line in (tmp_path / "tspo" / "metrics.jsonl").read_text().splitlines()
     ]
     assert rows[-1]["gen/generated_tokens"] > 0
-    # published weights were loaded into the engine (a failed load fails the run)
+    # published weights were loaded into the engine: the run waits for every publication
+    # before it ends, and a failed load fails it
     assert rows[-1]["sync/publications"] >= 1
-    assert any(r.get("sync/last_seconds", 0) > 0 for r in rows)
 
 
 @pytest.mark.slow

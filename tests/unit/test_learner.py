@@ -455,3 +455,25 @@ def test_micro_batches_keep_a_prompt_together():
     parts = list(micro_batches(lengths, 200, keys=keys))
     assert [p.tolist() for p in parts] == [[4, 2], [0, 1], [3, 5]]  # 0 and 1: 2 x 90 fits
     assert [p.tolist() for p in micro_batches(lengths, 200)] == [[1, 3], [4, 2], [0, 5]]
+
+
+def test_an_updates_ratio_max_and_token_rate_are_the_whole_updates(batch):
+    """Over epochs x mini-batches of optimizer steps, ratio_max is the largest ratio of any
+    step (not a mean of the steps' maxima), and tokens/s counts each token once per epoch
+    (not once per mini-batch)."""
+    learner = _learner(LearnerConfig(lr=5e-2, epochs=2, mini_batches=2))
+    seen = []
+    step = learner._optimizer_step
+
+    def recording(*args):
+        out = step(*args)
+        seen.append(out["ratio_max"])
+        return out
+
+    learner._optimizer_step = recording
+    metrics = learner.train(batch)
+    assert len(seen) == 4 and seen[0] < 1 + 1e-4 < max(seen)  # on-policy first, then moved
+    assert metrics["learner/ratio_max"] == max(seen)
+    assert metrics["learner/tokens"] == float(batch.to_torch()["loss_mask"].sum())
+    rate = metrics["learner/tokens"] * 2 / metrics["learner/seconds"]
+    assert metrics["learner/tokens_per_s"] == pytest.approx(rate, rel=1e-9)

@@ -134,8 +134,11 @@ def test_the_progress_line_tells_the_kl_to_the_reference_from_the_samplers_drift
 
     with_kl = Logger(_WithReference(), tmp_path)
     with_kl.step(row, total=2)
-    with_kl.finish()
     assert "kl_ref 3.00e-04  approx_kl -8.00e-04" in capsys.readouterr().out
+    # an update with an exactly zero gradient measured neither: not printed as 0
+    with_kl.step({"pipeline/step": 2, "learner/loss": 0.0}, total=2)
+    with_kl.finish()
+    assert "kl_ref -  approx_kl -  " in capsys.readouterr().out
 
 
 def test_a_damaged_metrics_row_is_named(tmp_path):

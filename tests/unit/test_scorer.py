@@ -151,6 +151,17 @@ def test_a_scorer_behind_the_batchs_weights_refuses_it():
     assert "turn_info_gain" in scorer.score(batch)
 
 
+def test_a_restart_is_counted_once():
+    """A scorer Ray restarted says so with the first batch it scores, not with every
+    batch of the rest of the run."""
+    model, tokenizer = load_model("tiny-random")
+    batch = token_batch(tokenizer, TRAJECTORIES)
+    scorer = InfoGainScorer((model, tokenizer))
+    assert scorer.score(batch).metrics["scorer/restarts"] == 0  # not a restarted actor
+    scorer._restarted = True  # as Ray's context says of a reconstructed actor
+    assert [scorer.score(batch).metrics["scorer/restarts"] for _ in range(3)] == [1, 0, 0]
+
+
 def test_gold_span_covers_exactly_the_answer():
     _, tokenizer = load_model("tiny-random")
     scorer = InfoGainScorer(load_model("tiny-random"))
