@@ -110,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         help="with --against: compare every method with this method's runs in that record "
         "(default: each with its own), e.g. GRPO here against TSPO there",
     )  # fmt: skip
+    parser.add_argument(
+        "--report", type=Path, default=None, metavar="RUNS.jsonl",
+        help="run nothing: the tables and plot of a recorded study (its --methods and "
+        "--seeds), computed by this version, whatever settings it was recorded with",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: " + " ".join(QUICK))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learning.json")
     parser.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
@@ -166,6 +171,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--against {args.against} holds no {args.against_method} runs")
     elif args.against_method:
         parser.error("--against-method needs --against RUNS.jsonl")
+    started = time.perf_counter()
+    if args.report is not None:
+        try:
+            recorded = recorded_runs(args.report, None)
+        except (OSError, ValueError) as err:
+            parser.error(f"--report {args.report}: {err}")
+        missing = [f"{m} seed {s}" for s in seeds for m in methods if (m, s) not in recorded]
+        if missing:
+            parser.error(
+                f"--report {args.report} holds no {', '.join(missing[:4])}"
+                + (f" (and {len(missing) - 4} more)" if len(missing) > 4 else "")
+                + ": give the --methods and --seeds it recorded"
+            )
+        settings = recorded[methods[0], seeds[0]]["settings"]
+        return _report(args, parser, seeds, settings, composed, against,
+                       {m: [recorded[m, s] for s in seeds] for m in methods}, started)  # fmt: skip
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -174,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
 
-    started = time.perf_counter()
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     for seed in seeds:  # seed-major: an unfinished study has every method on its first seeds
         for method in methods:
@@ -188,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
                         "give that method another name or another --runs-dir"
                     )
                 print(f"{method} seed {seed}: reused from {runs_dir / RECORD}", flush=True)
-                runs[method].append(done[method, seed])
+                reused = done[method, seed]
+                metrics = runs_dir / run_name(method, seed) / "metrics.jsonl"
+                if "rl_seconds" not in reused and metrics.is_file():  # recorded before it was
+                    reused = {**reused, "rl_seconds": rl_seconds(_rows(metrics))}
+                runs[method].append(reused)
                 continue
             run = run_one(method, seed, settings, runs_dir, args.config, composed.get(method))
             with (runs_dir / RECORD).open("a") as record:
@@ -197,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             runs[method].append(run)
             if not args.keep_checkpoints:  # the study reads summary.json and metrics.jsonl
                 shutil.rmtree(runs_dir / run_name(method, seed) / "checkpoint", ignore_errors=True)
+    return _report(args, parser, seeds, settings, composed, against, runs, started)
+
+
+def _report(args, parser, seeds, settings, composed, against, runs, started) -> int:
+    """The study's report of ``runs`` (method -> its runs, one per seed): JSON, tables and
+    plot, each method paired with GRPO's and with --against's runs."""
     report = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
@@ -224,10 +254,13 @@ def main(argv: list[str] | None = None) -> int:
             other = args.against_method or method
             theirs = [run for (m, _), run in sorted(against.items()) if m == other]
             parts = ["all", *agg["em_after_by_source"]]
-            agg["vs_against"] = {
-                part: pooled(runs[method], theirs, source=None if part == "all" else part)
-                for part in parts
-            }
+            try:
+                agg["vs_against"] = {
+                    part: pooled(runs[method], theirs, source=None if part == "all" else part)
+                    for part in parts
+                }
+            except ValueError as err:
+                parser.error(f"--against {args.against}: {method}: {err}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot_path = args.plot or args.out.with_suffix(".png")
@@ -365,11 +398,7 @@ def collect(folder: Path, method: str) -> dict:
     paired changes, searches per trajectory, and per step the training reward, the shares
     of all-wrong and zero-advantage groups and the estimator's own counters."""
     summary = json.loads((folder / "summary.json").read_text())
-    rows = [
-        json.loads(line)
-        for line in (folder / "metrics.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    rows = _rows(folder / "metrics.jsonl")
     before, after, change = summary["eval_before"], summary["eval_after"], summary["eval_change"]
     from ray_credit.estimators.parts import PARTS
 
@@ -405,35 +434,60 @@ def collect(folder: Path, method: str) -> dict:
         "groups_all_wrong": [r.get("train/groups_all_wrong", math.nan) for r in rows],
         "groups_zero_advantage": [r.get("train/groups_zero_advantage", math.nan) for r in rows],
         "estimator_counters": {k: [r.get(k, math.nan) for r in rows] for k in counters},
+        "rl_seconds": rl_seconds(rows),
     }
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rl_seconds(rows: list[dict]) -> float:
+    """The training loop's wall time: its steps' seconds (``time/step_s``), without the
+    warm-start and the evaluations around it."""
+    return float(sum(r.get("time/step_s", 0.0) for r in rows))
 
 
 def aggregate(runs: list[dict]) -> dict:
-    """Across seeds: mean, std and a 95 % t-interval of held-out EM after training and of
-    its paired change from before (all questions and per data source), how many seeds'
-    own paired intervals exclude 0 either way, and mean shares, searches and wall time."""
+    """Across seeds: held-out EM after training and its paired change from before (all
+    questions and per data source), each the mean over seeds with a two-level bootstrap
+    interval (seeds resampled, then each drawn seed's questions:
+    :func:`ray_credit.stats.seeded_paired_difference`); how many seeds' own paired
+    intervals exclude 0 either way; mean shares, searches and wall time. Runs recorded
+    without per-question outcomes get a Student-t interval over the seeds' figures."""
+    per_question = all("correct_after" in r for r in runs)
+    sources = sorted({s for r in runs for s in r["em_after_by_source"]})
+    changes = {part: pooled(runs, source=None if part == "all" else part)
+               for part in ["all", *sources]}  # fmt: skip
     out = {
         "em_before": _interval([r["em_before"] for r in runs]),
-        "em_after": _interval([r["em_after"] for r in runs]),
-        "em_change": _interval([r["em_change"]["diff"] for r in runs]),
+        "em_after": _seeded_em(runs) if per_question else _interval([r["em_after"] for r in runs]),
+        "em_change": (
+            _as_stat(changes["all"])
+            if changes["all"]
+            else _interval([r["em_change"]["diff"] for r in runs])
+        ),
         "seeds_with_significant_gain": sum(r["em_change"]["low"] > 0 for r in runs),
         "seeds_with_significant_loss": sum(r["em_change"]["high"] < 0 for r in runs),
     }
-    sources = sorted({s for r in runs for s in r["em_after_by_source"]})
     out["em_after_by_source"] = {
         s: _interval([r["em_after_by_source"][s] for r in runs if s in r["em_after_by_source"]])
         for s in sources
     }
     out["em_change_by_source"] = {
-        s: _interval(
-            [
-                r["em_change_by_source"][s]["diff"]
-                for r in runs
-                if s in r.get("em_change_by_source", {})
-            ]
+        s: (
+            _as_stat(changes[s])
+            if changes[s]
+            else _interval(
+                [
+                    r["em_change_by_source"][s]["diff"]
+                    for r in runs
+                    if s in r.get("em_change_by_source", {})
+                ]
+            )
         )
         for s in sources
-        if any(s in r.get("em_change_by_source", {}) for r in runs)
+        if changes[s] or any(s in r.get("em_change_by_source", {}) for r in runs)
     }
     for key in ("groups_all_wrong", "groups_zero_advantage"):
         values = [v for r in runs for v in r[key] if not math.isnan(v)]
@@ -445,16 +499,34 @@ def aggregate(runs: list[dict]) -> dict:
         for s in sources
         if all(s in (r.get("searches_after_by_source") or {}) for r in runs)
     }
-    out["em_change_pooled"] = {
-        part: pooled(runs, source=None if part == "all" else part) for part in ["all", *sources]
-    }
+    out["em_change_pooled"] = changes
     out["seconds_per_run"] = mean(r["seconds"] for r in runs)
+    # the training loop alone: a seed's first method also makes the seed's warm-start and
+    # its evaluation before training, which the others read back
+    loops = [r["rl_seconds"] for r in runs if r.get("rl_seconds") is not None]
+    out["rl_seconds_per_run"] = mean(loops) if len(loops) == len(runs) else None
     if runs and all("sampled_after" in r for r in runs):
         out["em_sampled_change_pooled"] = {
             part: pooled(runs, source=None if part == "all" else part, sampled=True)
             for part in ["all", *sources]
         }
     return out
+
+
+def _seeded_em(runs: list[dict]) -> dict:
+    """Held-out EM after training: the mean over seeds, its two-level interval, ``n`` the
+    seeds (as :func:`_interval`'s)."""
+    from ray_credit.stats import seeded_mean
+
+    stat = seeded_mean({r["seed"]: r["correct_after"] for r in runs})
+    return {"mean": stat["mean"], "low": stat["low"], "high": stat["high"], "n": len(runs),
+            "questions": stat["n"]}  # fmt: skip
+
+
+def _as_stat(change: dict) -> dict:
+    """A pooled change as a mean with its interval (``n``: its seeds)."""
+    return {"mean": change["diff"], "low": change["low"], "high": change["high"],
+            "n": change["seeds"], "pairs": change["n"]}  # fmt: skip
 
 
 def pooled(
@@ -464,19 +536,22 @@ def pooled(
     source: str | None = None,
     sampled: bool = False,
 ):
-    """The paired change of held-out EM over every seed's questions at once (a pair per
-    seed and question, ``source``'s questions only when given), with its 95 % bootstrap
-    interval (:func:`ray_credit.stats.paired_difference`): EM after training minus before
-    it, or, with ``baseline`` (another method's runs), minus the baseline's EM after
-    training on the same seed, whose held-out questions and warm-start are the same.
-    None where a run has no per-question outcomes (recorded before they were kept) or no
-    seed is shared. ``sampled``: the same of the sampled EM (``eval.samples``: a
-    question's score is its share of right samples)."""
-    from ray_credit.stats import paired_difference
+    """The paired change of held-out EM over the seeds (a pair per seed and question,
+    ``source``'s questions only when given): the mean over seeds of each seed's paired
+    change, with the two-level bootstrap interval of
+    :func:`ray_credit.stats.seeded_paired_difference` (seeds resampled, then their
+    questions; ``seeds`` says how many went in): EM after training minus before it, or,
+    with ``baseline`` (another method's runs), minus the baseline's EM after training on
+    the same seed, whose held-out questions and warm-start are the same. None where a run
+    has no per-question outcomes (recorded before they were kept) or no seed is shared.
+    ``sampled``: the same of the sampled EM (``eval.samples``: a question's score is its
+    share of right samples). A question of a run that the baseline's same seed did not
+    evaluate is refused, naming it."""
+    from ray_credit.stats import seeded_paired_difference
 
     kind = "sampled" if sampled else "correct"
     by_seed = {r["seed"]: r for r in baseline or []}
-    first, second = {}, {}
+    pairs = {}
     for run in runs:
         if f"{kind}_after" not in run:
             return None
@@ -486,11 +561,19 @@ def pooled(
             reference = by_seed[run["seed"]][f"{kind}_after"]
         else:
             continue
-        for question, after in run[f"{kind}_after"].items():
-            if source is None or run["source"][question] == source:
-                first[f"{run['seed']}:{question}"] = reference[question]
-                second[f"{run['seed']}:{question}"] = after
-    return paired_difference(first, second) if first else None
+        after = run[f"{kind}_after"]
+        questions = [q for q in after if source is None or run["source"][q] == source]
+        missing = [q for q in questions if q not in reference]
+        if missing:
+            raise ValueError(
+                f"seed {run['seed']}: {len(missing)} of its {len(questions)} held-out questions "
+                f"were not evaluated in the runs it is paired with (e.g. {missing[0]!r}): they "
+                "held out other questions; compare runs made with the same data settings"
+            )
+        if questions:
+            pairs[run["seed"]] = ({q: reference[q] for q in questions},
+                                  {q: after[q] for q in questions})  # fmt: skip
+    return seeded_paired_difference(pairs) if pairs else None
 
 
 def _interval(values: list[float]) -> dict:
@@ -516,17 +599,18 @@ def _t975(dof: int) -> float:
 
 
 def table(report: dict) -> str:
-    """The report as two Markdown tables. Across seeds: EM after training with its
-    t-interval, the mean of the per-seed paired changes (all, then per data source),
+    """The report as Markdown tables. Across seeds: EM after training and its paired change
+    (all, then per data source), each with its two-level interval (:func:`aggregate`),
     seeds whose own paired interval excludes 0 either way, group shares, searches per
-    question after training and wall time per run. Pooled: the paired changes over every
-    seed's questions at once, from before training and against the baseline (GRPO)."""
+    question after training, wall time per run and the training loop's. Paired: the
+    changes from before training and against the baseline (GRPO), with the questions that
+    moved each way and the sign test on them. Then the shares per step."""
     methods = report["methods"]
     sources = sorted({s for agg in methods.values() for s in agg["em_change_by_source"]})
     head = ["method", "seeds", "EM before", "EM after [95% CI]", "change [95% CI]"]
     head += [f"{s} change" for s in sources]
     head += ["seeds +/-", "all-wrong", "zero-adv", "searches (" + " / ".join(sources) + ")"]
-    head += ["s/run"]
+    head += ["s/run", "RL s/run"]
     rows = []
     for method, agg in methods.items():
         searches = agg.get("searches_after_by_source") or {}
@@ -547,6 +631,7 @@ def table(report: dict) -> str:
             _fmt(agg["groups_zero_advantage"], "{:.2f}"),
             " / ".join(_fmt(searches.get(s), "{:.2f}") for s in sources),
             f"{agg['seconds_per_run']:.0f}",
+            _fmt(agg.get("rl_seconds_per_run"), "{:.0f}"),
         ]
         rows.append(row)
     lines = _markdown(head, rows)
@@ -556,15 +641,17 @@ def table(report: dict) -> str:
     if baseline:
         head += [f"{p}: after - {baseline}'s after" for p in parts]
     rows = []
+    seeds = len(report.get("seeds") or [])
     for method, agg in methods.items():
-        row = [method, *(_paired(agg["em_change_pooled"].get(p)) for p in parts)]
+        row = [method, *(_paired(agg["em_change_pooled"].get(p), seeds) for p in parts)]
         if baseline:
             versus = agg.get("vs_baseline") or {}
-            row += [_paired(versus.get(p)) if method != baseline else "-" for p in parts]
+            row += [_paired(versus.get(p), seeds) if method != baseline else "-" for p in parts]
         rows.append(row)
     text = (
-        lines + "\n\nPooled over the seeds (a pair per seed and held-out question; 95 % paired "
-        "bootstrap interval; questions better / worse):\n\n" + _markdown(head, rows)
+        lines + "\n\nPaired on the same held-out questions (the mean over seeds of each seed's "
+        "change; 95 % interval of a bootstrap over the seeds, then their questions; questions "
+        "better / worse and, on one seed, the exact sign test on them):\n\n" + _markdown(head, rows)
     )
     steps = max((len(r["groups_all_wrong"]) for rs in report["runs"].values() for r in rs),
                 default=0)  # fmt: skip
@@ -585,7 +672,9 @@ def table(report: dict) -> str:
                if "em_sampled_change_pooled" in agg}  # fmt: skip
     if sampled:
         head = ["method", *(f"{p} sampled EM change" for p in parts)]
-        rows = [[m, *(_paired(changes.get(p)) for p in parts)] for m, changes in sampled.items()]
+        rows = [
+            [m, *(_paired(changes.get(p), seeds) for p in parts)] for m, changes in sampled.items()
+        ]
         text += (
             "\n\nSampled EM (eval.samples rollouts per question; a question scores its share "
             "of right samples), pooled the same way (questions whose share rose / fell):\n\n"
@@ -597,7 +686,7 @@ def table(report: dict) -> str:
         other = against.get("method")
         head = ["method", *(f"{p}: after - after with {theirs}" for p in parts)]
         rows = [
-            [m, *(_paired((agg.get("vs_against") or {}).get(p)) for p in parts)]
+            [m, *(_paired((agg.get("vs_against") or {}).get(p), seeds) for p in parts)]
             for m, agg in methods.items()
         ]
         whose = f"its {other} runs" if other else "the same method"
@@ -629,12 +718,23 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join([lines[0], "|" + "---|" * len(head), *lines[1:]])
 
 
-def _paired(change: dict | None) -> str:
+def _paired(change: dict | None, seeds: int = 0) -> str:
+    """A paired change as a cell: the change, its interval, the questions that moved each
+    way (and, on one seed, the sign test's p); the seeds it rests on when fewer than the
+    study's."""
     if change is None:
         return "n/a"
+    fewer = f", {change['seeds']} of {seeds} seeds" if change.get("seeds", seeds) < seeds else ""
+    if change["better"] + change["worse"] == 0:
+        return f"no question changed (n={change['n']}{fewer})"
+    # the sign test reads the questions as the only randomness: on one seed's questions
+    # it says what the bootstrap cannot when few moved; over seeds, it would treat the
+    # seeds' runs as one, as a pooled bootstrap would
+    p = change.get("p_sign") if change.get("seeds", 1) == 1 else None
+    sign = "" if p is None else (", p<0.001" if p < 0.001 else f", p={p:.3f}")
     return (
         f"{change['diff']:+.3f} [{change['low']:+.3f}, {change['high']:+.3f}] "
-        f"({change['better']}/{change['worse']})"
+        f"({change['better']}/{change['worse']}{sign}{fewer})"
     )
 
 
@@ -653,7 +753,7 @@ def plot_curves(report: dict, path: Path) -> None:
     bottom left: the shares of all-wrong and of zero-advantage groups per step (mean over
     seeds). Bottom right: each method's paired change of held-out EM, all questions and
     per data source: every seed's change (dots) and the mean with its 95 % interval
-    across seeds."""
+    (:func:`aggregate`'s: seeds resampled, then their questions)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -694,7 +794,7 @@ def plot_curves(report: dict, path: Path) -> None:
     parts = ["all", *sources]
     width = 0.8 / len(parts)
     for j, part in enumerate(parts):
-        for i, runs in enumerate(report["runs"].values()):
+        for i, (name, runs) in enumerate(report["runs"].items()):
             changes = [
                 r["em_change"]["diff"] if part == "all" else r["em_change_by_source"][part]["diff"]
                 for r in runs
@@ -704,7 +804,8 @@ def plot_curves(report: dict, path: Path) -> None:
                 continue
             x = i + (j - (len(parts) - 1) / 2) * width
             right.scatter([x] * len(changes), changes, s=10, color=f"C{j}", alpha=0.5)
-            stat = _interval(changes)
+            agg = report["methods"][name]
+            stat = agg["em_change"] if part == "all" else agg["em_change_by_source"][part]
             error = (
                 None
                 if stat["low"] is None

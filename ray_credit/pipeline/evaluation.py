@@ -378,11 +378,19 @@ def describe_change(
     for name, c in change.items():
         em_b = before["em"] if name == "all" else before["em_by_source"][name]
         em_a = after["em"] if name == "all" else after["em_by_source"][name]
-        verdict = "excludes 0" if c["low"] > 0 or c["high"] < 0 else "includes 0"
+        if c["better"] + c["worse"] == 0:
+            interval = "no question changed"
+        else:
+            verdict = "excludes 0" if c["low"] > 0 or c["high"] < 0 else "includes 0"
+            interval = f"95% CI {c['low']:+.3f}, {c['high']:+.3f}; {verdict}"
+        # the sign test on the questions that moved: a bootstrap interval is too narrow
+        # when few did (2 better, 0 worse excludes 0; the sign test says p = 0.5)
+        p_sign = c.get("p_sign")
+        sign = f"; sign test p={p_sign:.3f}" if p_sign is not None else ""
         lines.append(
             f"  {name:<16} EM {em_b:.3f} -> {em_a:.3f}  change {c['diff']:+.3f} "
-            f"[95% CI {c['low']:+.3f}, {c['high']:+.3f}; {verdict}]  n={c['n']} "
-            f"({c['better']} better, {c['worse']} worse){_searches(before, after, name)}"
+            f"[{interval}]  n={c['n']} "
+            f"({c['better']} better, {c['worse']} worse{sign}){_searches(before, after, name)}"
         )
     return f"{title}:\n" + "\n".join(lines)
 

@@ -36,7 +36,10 @@ def test_learning_bench_quick(ray_cluster, tmp_path):
         assert len(run["reward"]) == 1 and 0 <= run["em_after"] <= 1
         assert run["em_change"]["n"] == 4  # the 4 held-out questions, paired
         agg = report["methods"][method]
-        assert agg["em_after"]["n"] == 1 and agg["em_after"]["low"] is None  # one seed: no CI
+        # one seed: the interval is its questions' (a bootstrap over them)
+        assert agg["em_after"]["n"] == 1
+        assert agg["em_after"]["low"] <= run["em_after"] <= agg["em_after"]["high"]
+        assert 0 < run["rl_seconds"] < run["seconds"]  # the loop, without warm-start and evals
     assert (tmp_path / "learning.png").stat().st_size > 1000
     # a recorded run keeps its figures, not its checkpoint (GBs per run at real sizes)
     assert (tmp_path / "runs" / "grpo-seed0" / "summary.json").is_file()
@@ -185,14 +188,49 @@ def test_pooled_changes_pair_by_seed_and_question():
     tspo = [run(0, [0, 0, 1, 1], [1, 1, 1, 0]), run(1, [0, 1, 0, 1], [1, 1, 1, 1])]
     grpo = [run(0, [0, 0, 1, 1], [0, 1, 1, 1]), run(1, [0, 1, 0, 1], [0, 1, 0, 1])]
     change = pooled(tspo)  # seed 0: 2 better, 1 worse; seed 1: 2 better
-    assert (change["n"], change["better"], change["worse"]) == (8, 4, 1)
+    assert (change["n"], change["seeds"], change["better"], change["worse"]) == (8, 2, 4, 1)
+    # the mean of the seeds' changes (1/4 and 2/4), the interval over seeds and questions
     assert abs(change["diff"] - 3 / 8) < 1e-12 and change["low"] <= change["diff"]
+    assert change["p_sign"] == 0.375  # 4 up, 1 down: 2 * (1 + 5) / 2^5
     versus = pooled(tspo, grpo)  # seed 0: q0 better, q3 worse; seed 1: q0 and q2 better
     assert (versus["n"], versus["better"], versus["worse"]) == (8, 3, 1)
     one_hop = pooled(tspo, source="1hop")  # q0 and q2 of each seed, all four better but one
     assert (one_hop["n"], one_hop["better"], one_hop["worse"]) == (4, 3, 0)
     assert pooled(tspo, [run(7, [0], [1])]) is None  # no seed in common
     assert pooled([{k: v for k, v in tspo[0].items() if k != "correct_after"}]) is None
+    other = [run(0, [0, 0, 1, 1, 0], [1, 1, 1, 0, 1])]  # a fifth question grpo never saw
+    with pytest.raises(ValueError, match="seed 0: 1 of its 5 held-out questions were not"):
+        pooled(other, grpo)
+
+
+def test_seeds_that_disagree_widen_the_interval_of_the_mean():
+    """Three seeds whose changes disagree: their questions pooled as if from one run
+    would exclude 0, the interval over seeds and questions does not; the table cell says
+    how many questions moved each way, the sign test on them, and when fewer seeds than
+    the study's went in."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learning import _paired, pooled
+
+    def run(seed, moved):
+        keys = [f"q{i}" for i in range(100)]
+        before = [0] * 100
+        after = [1] * moved + [0] * (100 - moved) if moved > 0 else before
+        if moved < 0:
+            before, after = [1] * -moved + [0] * (100 + moved), [0] * 100
+        return {"seed": seed, "correct_before": dict(zip(keys, before, strict=True)),
+                "correct_after": dict(zip(keys, after, strict=True)),
+                "source": dict.fromkeys(keys, "1hop")}  # fmt: skip
+
+    change = pooled([run(0, 10), run(1, -6), run(2, 10)])
+    assert abs(change["diff"] - 14 / 300) < 1e-12 and change["low"] < 0 < change["high"]
+    agreeing = pooled([run(0, 10), run(1, 8), run(2, 10)])
+    assert agreeing["low"] > 0
+    assert _paired(agreeing, 3) == (
+        f"+0.093 [{agreeing['low']:+.3f}, {agreeing['high']:+.3f}] (28/0)"
+    )  # the sign test only on one seed's questions (it too would read three runs as one)
+    one = pooled([run(0, 10)])
+    assert _paired(one, 1) == f"+0.100 [{one['low']:+.3f}, {one['high']:+.3f}] (10/0, p=0.002)"
+    assert _paired(pooled([run(0, 0)]), 3) == "no question changed (n=100, 1 of 3 seeds)"
 
 
 def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch, capsys):

@@ -8,7 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from ray_credit.stats import paired_difference, proportion_interval
+from ray_credit.stats import (
+    paired_difference,
+    proportion_interval,
+    seeded_mean,
+    seeded_paired_difference,
+    sign_test,
+)
 
 
 def test_wilson_interval_matches_known_values():
@@ -18,6 +24,7 @@ def test_wilson_interval_matches_known_values():
     # none of n: the upper end is z^2 / (n + z^2) in closed form
     assert proportion_interval(0, 10) == pytest.approx((0.0, 1.959964**2 / (10 + 1.959964**2)))
     assert proportion_interval(10, 10)[1] == pytest.approx(1.0)
+    assert proportion_interval(0, 10)[0] == 0.0 and proportion_interval(10, 10)[1] == 1.0  # exact
     with pytest.raises(ValueError, match="n >= 1"):
         proportion_interval(0, 0)
     with pytest.raises(ValueError, match="successes"):
@@ -36,6 +43,80 @@ def test_paired_difference_excludes_zero_only_for_a_real_change():
     assert flat["diff"] == 0 and flat["low"] < 0 < flat["high"]
     again = paired_difference(before.astype(float), noise)
     assert again == flat  # seeded
+
+
+def test_few_questions_that_moved_get_the_exact_sign_test_beside_the_interval():
+    """Two questions, both better: every resample's mean is 1 and the percentile interval
+    [+1, +1] excludes 0, while a fair coin gives a split that uneven half the time."""
+    before, after = np.zeros(2), np.ones(2)
+    change = paired_difference(before, after)
+    assert (change["low"], change["high"]) == (1.0, 1.0) and change["p_sign"] == 0.5
+    assert sign_test(7, 1) == pytest.approx(18 / 256)  # 2 * (1 + 8) / 2^8
+    assert sign_test(1, 7) == sign_test(7, 1) and sign_test(0, 0) == 1.0
+    assert sign_test(30, 0) == pytest.approx(2 / 2**30)
+    assert paired_difference(before, before)["p_sign"] == 1.0  # nothing moved
+
+
+def _seed_runs(changes, n=120, seed=0):
+    """Per seed, 0/1 scores before and after whose paired change is ``changes[seed]``."""
+    rng = np.random.default_rng(seed)
+    runs = {}
+    for s, change in enumerate(changes):
+        before = (rng.random(n) < 0.4).astype(float)
+        after = before.copy()
+        moved = rng.permutation(np.flatnonzero(before == 0 if change > 0 else before == 1))
+        after[moved[: round(abs(change) * n)]] = 1.0 if change > 0 else 0.0
+        ids = [f"q{i}" for i in range(n)]
+        runs[s] = (dict(zip(ids, before, strict=True)), dict(zip(ids, after, strict=True)))
+    return runs
+
+
+def test_an_interval_over_seeds_resamples_the_seeds_not_only_their_questions():
+    """Three runs whose changes disagree (+0.10, -0.05, +0.10): pooling their questions into
+    one bootstrap reads the seeds as one run and excludes 0; resampling the seeds, then
+    each one's questions, does not."""
+    runs = _seed_runs([0.10, -0.05, 0.10])
+    first = {f"{s}:{q}": v for s, (b, _) in runs.items() for q, v in b.items()}
+    second = {f"{s}:{q}": v for s, (_, a) in runs.items() for q, v in a.items()}
+    assert paired_difference(first, second)["low"] > 0
+    seeded = seeded_paired_difference(runs)
+    assert seeded["diff"] == pytest.approx(0.05) and seeded["low"] < 0 < seeded["high"]
+    assert (seeded["n"], seeded["seeds"], seeded["better"], seeded["worse"]) == (360, 3, 24, 6)
+    assert seeded == seeded_paired_difference(runs)  # seeded
+    # runs that agree keep an interval that excludes 0
+    assert seeded_paired_difference(_seed_runs([0.10, 0.08, 0.10]))["low"] > 0
+    # one seed: the questions' bootstrap, as paired_difference's
+    alone = seeded_paired_difference({0: runs[0]})
+    plain = paired_difference(*runs[0])
+    assert alone["diff"] == plain["diff"]
+    assert alone["low"] == pytest.approx(plain["low"], abs=0.01)
+    assert alone["high"] == pytest.approx(plain["high"], abs=0.01)
+    with pytest.raises(ValueError, match="seed 1: before and after score different questions"):
+        seeded_paired_difference({0: runs[0], 1: (runs[1][0], {"q0": 1.0})})
+
+
+def test_a_mean_over_seeds_has_the_two_level_interval():
+    same = {s: [0.0, 1.0] * 50 for s in range(3)}
+    result = seeded_mean(same)
+    assert result["mean"] == 0.5 and result["seeds"] == 3 and result["n"] == 300
+    assert result["low"] < 0.5 < result["high"]  # the questions' spread is still there
+    constant = seeded_mean({0: [1.0] * 10, 1: {"a": 1.0, "b": 1.0}})
+    assert (constant["low"], constant["high"]) == (1.0, 1.0)  # equal weight per seed
+    apart = seeded_mean({0: [0.0] * 100, 1: [1.0] * 100})  # two seeds that disagree fully
+    assert apart["mean"] == 0.5 and apart["low"] == 0.0 and apart["high"] == 1.0
+
+
+def test_a_large_evaluation_is_resampled_in_chunks_with_the_same_interval():
+    """51k questions (Search-R1's test sets) x 10,000 resamples would hold 4 GB of indices
+    at once; resampled in chunks, the interval is the one the normal approximation gives."""
+    rng = np.random.default_rng(1)
+    before = (rng.random(51_000) < 0.4).astype(float)
+    after = np.where(rng.random(51_000) < 0.05, 1.0 - before, before)
+    change = paired_difference(before, after, resamples=400)
+    delta = after - before
+    half = 1.96 * delta.std() / np.sqrt(delta.size)
+    assert change["low"] == pytest.approx(delta.mean() - half, abs=half * 0.2)
+    assert change["high"] == pytest.approx(delta.mean() + half, abs=half * 0.2)
 
 
 def test_paired_difference_pairs_by_question_id_and_refuses_mismatches():
