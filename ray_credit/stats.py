@@ -93,8 +93,8 @@ def seeded_paired_difference(
     ``(before, after)`` scores by question id (each seed may hold other questions). The
     change is the mean over seeds of each seed's mean difference (every seed weighs the
     same); the interval is a two-level percentile bootstrap, seeds drawn with replacement,
-    then each drawn seed's questions (see the module docstring). One seed: the same
-    interval as :func:`paired_difference`, up to resampling noise.
+    then each drawn seed's questions (see the module docstring). One seed: exactly
+    :func:`paired_difference`'s interval.
 
     Returns ``diff``, ``low``, ``high``, ``n`` (pairs, all seeds), ``seeds``, ``better``,
     ``worse`` and ``p_sign`` (over all pairs), ``confidence``."""
@@ -151,6 +151,9 @@ def _two_level(values: list[np.ndarray], confidence: float, resamples: int, seed
     rng = np.random.default_rng(seed)
     within = np.stack([_bootstrap_means(v, resamples, rng) for v in values])  # (S, R)
     count = len(values)
+    if count == 1:  # one group: its questions' bootstrap itself (paired_difference's)
+        low, high = _percentiles(within[0], confidence)
+        return float(values[0].mean()), low, high
     groups = rng.integers(0, count, size=(resamples, count))
     picks = rng.integers(0, resamples, size=(resamples, count))
     low, high = _percentiles(within[groups, picks].mean(axis=1), confidence)
