@@ -275,10 +275,19 @@ def question_key(position: int, question: str) -> str:
 def eval_summary(batch: Any) -> dict[str, Any]:
     """Exact match of the rollouts of each question (one, greedy; or several sampled:
     then a question's score is the share of its rollouts that are right), overall and per
-    data source (runs where the batch is, in a Ray task)."""
+    data source (runs where the batch is, in a Ray task). Exact match of the final answer
+    (``ray_credit.qa.em_check``), not the outcome reward the run trains on."""
+    from ray_credit.qa import em_check
     from ray_credit.stats import proportion_interval
 
-    right = (batch.traj_values("outcome_reward") >= 1.0).astype(np.float64)
+    # exact match of the extracted answer, whatever reward the policy trains on (under
+    # generator.reward subem or f1, an outcome of 1 is a substring or a word-set match)
+    answers = batch.column("answer").to_pylist()
+    golds = batch.column("gold_answers").to_pylist()
+    right = np.array(
+        [em_check(a, g) if a is not None else 0.0 for a, g in zip(answers, golds, strict=True)],
+        dtype=np.float64,
+    )
     searched = (batch.turn_values("turns.action") == "search").astype(np.int64)
     searches = np.add.reduceat(searched, batch.turn_offsets[:-1]) if len(batch) else searched
     starts = batch.group_starts if len(batch) else np.zeros(0, np.int64)

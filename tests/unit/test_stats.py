@@ -162,14 +162,42 @@ def test_counts_and_settings_are_checked():
         paired_difference([1, 0], [1, 1], seed=-1)
 
 
+def _answered(batch, right):
+    """``batch`` with a final answer per trajectory: the gold where ``right`` says 1, else
+    a wrong one; outcome rewards of 1 everywhere (as a lenient reward might give)."""
+    answers = ["Ada Quill" if r else "Ada Quill of Tarsk" for r in right]
+    return batch.with_traj_columns(
+        {
+            "answer": answers,
+            "gold_answers": [["Ada Quill"]] * len(right),
+            "outcome_reward": [1.0] * len(right),
+        }  # fmt: skip
+    )
+
+
+def test_the_evaluation_scores_exact_match_whatever_the_training_reward():
+    """Under generator.reward subem a longer answer holding the gold gets outcome 1; the
+    held-out EM still counts it wrong, and a trajectory with no answer is wrong."""
+    from ray_credit.pipeline.evaluation import eval_summary
+    from ray_credit.testing import random_batch
+
+    batch = _answered(random_batch(0, num_groups=3, group_size=1), [1, 0, 1])
+    batch = batch.with_traj_columns({"data_source": ["synthetic_1hop"] * 3})
+    summary = eval_summary(batch)
+    assert list(summary["correct"].values()) == [1, 0, 1] and summary["em"] == pytest.approx(2 / 3)
+    unanswered = batch.with_traj_columns({"answer": ["Ada Quill", None, None]})
+    assert list(eval_summary(unanswered)["correct"].values()) == [1, 0, 0]
+
+
 def test_eval_summary_change_and_plot(tmp_path):
     from ray_credit.pipeline.evaluation import describe_change, eval_change, eval_summary
     from ray_credit.pipeline.outputs import plot, smooth
     from ray_credit.testing import random_batch
 
-    batch = random_batch(0, num_groups=6, group_size=1)
+    batch = _answered(random_batch(0, num_groups=6, group_size=1), [1, 0, 0, 1, 1, 0])
     batch = batch.with_traj_columns({"data_source": ["synthetic_1hop", "synthetic_2hop"] * 3})
     summary = eval_summary(batch)
+    assert list(summary["correct"].values()) == [1, 0, 0, 1, 1, 0]
     assert len(summary["correct"]) == 6 and set(summary["correct"].values()) <= {0, 1}
     assert summary["em"] == pytest.approx(np.mean(list(summary["correct"].values())))
     low, high = summary["em_interval"]
@@ -214,15 +242,16 @@ def test_a_sampled_evaluation_scores_each_question_by_its_share_of_right_samples
 
     batch = random_batch(0, num_groups=4, group_size=3, singleton_frac=0.0)
     sources = [s for s in ("synthetic_1hop", "synthetic_2hop") * 2 for _ in range(3)]
-    rewards = [1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0]
-    batch = batch.with_traj_columns({"data_source": sources, "outcome_reward": rewards})
+    batch = _answered(batch, [1, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0])
+    batch = batch.with_traj_columns({"data_source": sources})
     summary = eval_summary(batch)
     assert summary["samples"] == 3 and summary["questions"] == 4
     assert list(summary["correct"].values()) == pytest.approx([1 / 3, 1.0, 0.0, 2 / 3])
     assert summary["em"] == pytest.approx(0.5) and summary["em_interval"] is None
     assert summary["em_by_source"] == pytest.approx({"synthetic_1hop": 1 / 6,
                                                      "synthetic_2hop": 5 / 6})  # fmt: skip
-    greedy = eval_summary(random_batch(0, num_groups=4, group_size=1).with_traj_columns(
+    greedy = eval_summary(_answered(random_batch(0, num_groups=4, group_size=1),
+                                    [1, 0, 0, 1]).with_traj_columns(
         {"data_source": sources[::3]}))  # fmt: skip
     assert list(greedy["correct"]) == list(summary["correct"])  # the same keys, in order
     assert greedy["samples"] == 1
