@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                 reused = done[method, seed]
                 metrics = runs_dir / run_name(method, seed) / "metrics.jsonl"
                 if "rl_seconds" not in reused and metrics.is_file():  # recorded before it was
-                    reused = {**reused, "rl_seconds": rl_seconds(_rows(metrics))}
+                    from ray_credit.pipeline.outputs import read_metrics
+
+                    reused = {**reused, "rl_seconds": rl_seconds(read_metrics(metrics))}
                 runs[method].append(reused)
                 continue
             run = run_one(method, seed, settings, runs_dir, args.config, composed.get(method))
@@ -398,7 +400,9 @@ def collect(folder: Path, method: str) -> dict:
     paired changes, searches per trajectory, and per step the training reward, the shares
     of all-wrong and zero-advantage groups and the estimator's own counters."""
     summary = json.loads((folder / "summary.json").read_text())
-    rows = _rows(folder / "metrics.jsonl")
+    from ray_credit.pipeline.outputs import read_metrics
+
+    rows = read_metrics(folder / "metrics.jsonl")
     before, after, change = summary["eval_before"], summary["eval_after"], summary["eval_change"]
     from ray_credit.estimators.parts import PARTS
 
@@ -436,10 +440,6 @@ def collect(folder: Path, method: str) -> dict:
         "estimator_counters": {k: [r.get(k, math.nan) for r in rows] for k in counters},
         "rl_seconds": rl_seconds(rows),
     }
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def rl_seconds(rows: list[dict]) -> float:
