@@ -620,12 +620,7 @@ def table(report: dict) -> str:
             f"{agg['em_before']['mean']:.3f}",
             _with_ci(agg["em_after"], "{:.3f}"),
             _with_ci(agg["em_change"], "{:+.3f}"),
-            *(
-                _with_ci(agg["em_change_by_source"][s], "{:+.3f}")
-                if s in agg["em_change_by_source"]
-                else "n/a"
-                for s in sources
-            ),
+            *(_change_cell(agg, s) if s in agg["em_change_by_source"] else "n/a" for s in sources),
             f"{agg['seeds_with_significant_gain']}/{agg['seeds_with_significant_loss']}",
             _fmt(agg["groups_all_wrong"], "{:.2f}"),
             _fmt(agg["groups_zero_advantage"], "{:.2f}"),
@@ -736,6 +731,14 @@ def _paired(change: dict | None, seeds: int = 0) -> str:
         f"{change['diff']:+.3f} [{change['low']:+.3f}, {change['high']:+.3f}] "
         f"({change['better']}/{change['worse']}{sign}{fewer})"
     )
+
+
+def _change_cell(agg: dict, source: str) -> str:
+    """A data source's change across seeds, or that none of its questions changed."""
+    moved = (agg.get("em_change_pooled") or {}).get(source)
+    if moved is not None and moved["better"] + moved["worse"] == 0:
+        return "no question changed"
+    return _with_ci(agg["em_change_by_source"][source], "{:+.3f}")
 
 
 def _with_ci(stat: dict, fmt: str) -> str:

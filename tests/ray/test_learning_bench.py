@@ -209,7 +209,7 @@ def test_seeds_that_disagree_widen_the_interval_of_the_mean():
     how many questions moved each way, the sign test on them, and when fewer seeds than
     the study's went in."""
     sys.path.insert(0, str(ROOT / "bench"))
-    from learning import _paired, pooled
+    from learning import _change_cell, _paired, pooled
 
     def run(seed, moved):
         keys = [f"q{i}" for i in range(100)]
@@ -231,6 +231,9 @@ def test_seeds_that_disagree_widen_the_interval_of_the_mean():
     one = pooled([run(0, 10)])
     assert _paired(one, 1) == f"+0.100 [{one['low']:+.3f}, {one['high']:+.3f}] (10/0, p=0.002)"
     assert _paired(pooled([run(0, 0)]), 3) == "no question changed (n=100, 1 of 3 seeds)"
+    agg = {"em_change_pooled": {"1hop": pooled([run(0, 0)])},
+           "em_change_by_source": {"1hop": {"mean": 0.0, "low": 0.0, "high": 0.0}}}  # fmt: skip
+    assert _change_cell(agg, "1hop") == "no question changed"
 
 
 def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch, capsys):
