@@ -108,27 +108,44 @@ def test_staleness_bound_and_every_group_once(ray_cluster, world, retriever, max
     learner.shutdown()
 
 
-def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path):
+def _chdir(actor, folder):
+    os.chdir(folder)
+    return os.getcwd()
+
+
+def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path, monkeypatch):
+    """A run checkpoints into a checkpoint_dir named relative to the driver's working
+    directory: the learner ranks (moved to another one) and the chunk-writing tasks write
+    their parts there by absolute path. A run "killed" after step 2 and resumed with new
+    actors from that relative name trains every group once, with its running totals."""
+    driver, elsewhere = tmp_path / "driver", tmp_path / "worker"
+    driver.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(driver)
     config = PipelineConfig(
-        steps=2,
-        groups_per_step=4,
-        chunk_groups=2,
-        max_staleness=1,
-        checkpoint_dir=str(tmp_path / "ckpt"),
+        steps=2, groups_per_step=4, chunk_groups=2, max_staleness=1, checkpoint_dir="ckpt"
     )
     generators, learner = _parts(retriever)
+    moved = [w.__ray_call__.remote(_chdir, str(elsewhere)) for w in learner._workers]
+    assert ray_cluster.get(moved) == [str(elsewhere)]
     first = Pipeline(generators, learner, world.questions[:10], [estimator_stage("grpo")], config)
     first.run()
     learner.shutdown()
-    assert [step for step, _ in checkpoints(tmp_path / "ckpt")] == [2]  # saved at the end
-    state = json.loads((resolve_checkpoint(tmp_path / "ckpt") / "pipeline.json").read_text())
+    assert [step for step, _ in checkpoints(driver / "ckpt")] == [2]  # saved at the end
+    assert not (elsewhere / "ckpt").exists()
+    saved = driver / "ckpt" / "step_000002"
+    assert (saved / "learner" / "learner_state.pt").is_file()
+    assert (saved / "learner" / "model" / "config.json").is_file()
+    state = json.loads((saved / "pipeline.json").read_text())
     assert state["step"] == 2 and state["policy_version"] == 2
     buffered = sorted(start for start, _ in state["buffered"])
     assert all(start >= 8 for start in buffered)  # only groups not trained yet are kept
+    for start, size in state["buffered"]:  # generated ahead before the save
+        assert (saved / "buffer" / f"{start:09d}_{size}.arrow").is_file()
     assert state["counters"]["sync/publications"] == 2  # running totals travel with it
 
     # "Killed" after step 2: a new run with new actors resumes from the checkpoint.
-    generators, learner = _parts(retriever, resume_from=tmp_path / "ckpt")
+    generators, learner = _parts(retriever, resume_from="ckpt")
     resumed_config = PipelineConfig(**{**config.__dict__, "steps": 4, "checkpoint_every": 1})
     second = Pipeline(
         generators,
@@ -136,22 +153,21 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path)
         world.questions[:10],
         [estimator_stage("grpo")],
         resumed_config,
-        resume_from=tmp_path / "ckpt",
+        resume_from="ckpt",
     )
     assert second.step == 2 and sorted(second._chunks) == buffered
     assert all(c.summary is not None for c in second._chunks.values())
     history = second.run()
     assert len(history) == 2 and second.step == 4
     assert second.trained_groups == list(range(16))
+    assert learner.policy_version == 4
     # the totals go on from the first run's: its 2 publications, the resumed learner's
     # weights sent again at the start, then steps 3 and 4
     assert history[-1]["sync/publications"] == 5
     assert ray_cluster.get(generators[0].get_policy_version.remote()) == 4
     # saved after steps 3 and 4: the newest two kept (keep_checkpoints=2), step 2's gone
-    assert [step for step, _ in checkpoints(tmp_path / "ckpt")] == [3, 4]
-    assert not list((tmp_path / "ckpt").glob("*.tmp")) and not list(
-        (tmp_path / "ckpt").glob("*.old")
-    )
+    assert [step for step, _ in checkpoints(driver / "ckpt")] == [3, 4]
+    assert not list((driver / "ckpt").glob("*.tmp")) and not list((driver / "ckpt").glob("*.old"))
 
     with pytest.raises(ValueError, match="groups_per_step=4, this run has groups_per_step=2"):
         Pipeline(
@@ -160,60 +176,8 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path)
             world.questions[:10],
             [],
             PipelineConfig(groups_per_step=2),
-            resume_from=tmp_path / "ckpt",
+            resume_from="ckpt",
         )
-    learner.shutdown()
-
-
-def _chdir(actor, folder):
-    os.chdir(folder)
-    return os.getcwd()
-
-
-def test_a_relative_checkpoint_dir_is_the_drivers_whatever_the_workers_cwd(
-    ray_cluster, world, retriever, tmp_path, monkeypatch
-):
-    """The driver names checkpoint_dir relative to its own working directory; the learner
-    ranks (moved to another one) and the chunk-writing tasks write their parts there by
-    absolute path, and a run resumed from the step-1 checkpoint (named relative too)
-    trains every group once, to the same final step."""
-    driver, elsewhere = tmp_path / "driver", tmp_path / "worker"
-    driver.mkdir()
-    elsewhere.mkdir()
-    monkeypatch.chdir(driver)
-    config = PipelineConfig(
-        steps=2, groups_per_step=4, chunk_groups=2, max_staleness=1, checkpoint_every=1,
-        checkpoint_dir="ckpt",
-    )  # fmt: skip
-    generators, learner = _parts(retriever)
-    moved = [w.__ray_call__.remote(_chdir, str(elsewhere)) for w in learner._workers]
-    assert ray_cluster.get(moved) == [str(elsewhere)]
-    first = Pipeline(generators, learner, world.questions[:10], [estimator_stage("grpo")], config)
-    first.run()
-    learner.shutdown()
-    assert [step for step, _ in checkpoints(driver / "ckpt")] == [1, 2]
-    assert not (elsewhere / "ckpt").exists()
-    saved = driver / "ckpt" / "step_000001"
-    assert (saved / "learner" / "learner_state.pt").is_file()
-    assert (saved / "learner" / "model" / "config.json").is_file()
-    state = json.loads((saved / "pipeline.json").read_text())
-    for start, size in state["buffered"]:  # step 2's chunks generated before the save
-        assert (saved / "buffer" / f"{start:09d}_{size}.arrow").is_file()
-
-    generators, learner = _parts(retriever, resume_from="ckpt/step_000001")
-    resumed = Pipeline(
-        generators,
-        learner,
-        world.questions[:10],
-        [estimator_stage("grpo")],
-        config,
-        resume_from="ckpt/step_000001",
-    )
-    assert resumed.step == 1 and sorted(resumed._chunks) == [s for s, _ in state["buffered"]]
-    history = resumed.run()
-    assert len(history) == 1 and resumed.step == 2
-    assert resumed.trained_groups == list(range(8))
-    assert learner.policy_version == 2
     learner.shutdown()
 
 
@@ -530,12 +494,18 @@ def test_generator_retries_a_retriever_that_died(ray_cluster, tmp_path):
     search = _Search(actor, timeout_s=60, restart_s=60, backoff_s=0.1)
     try:
         assert search(["a", "b"], 1)[1][0]["id"] == "b"
-        assert search.retries == 1
+        # the call that died is retried; a retry sent while Ray is still restarting the
+        # actor is refused (ActorUnavailableError) and counted as one more
+        retried = search.retries
+        assert retried >= 1
+        assert search(["c"], 1)[0][0]["id"] == "c"
+        assert search.retries == retried  # a call that went through is not a retry
     finally:
         ray_cluster.kill(actor)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+# one learner rank is the second test command's; two ranks (each sends its shard) are here
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.e2e), 2])
 def test_broadcast_weight_sync_over_gloo(ray_cluster, world, retriever, workers):
     """weight_sync='gloo' (the NCCL path's code on CPUs): the learner broadcasts in a
     process group of its own with the generators, which end on exactly its weights."""
@@ -605,7 +575,7 @@ def test_driver_holds_refs_only_and_stages_stream(
     stages = [actor_stage(slow.run, name="slow"), estimator_stage("grpo")]
     config = PipelineConfig(
         steps=3,
-        groups_per_step=4,
+        groups_per_step=2,
         chunk_groups=1,
         max_staleness=1,
         checkpoint_dir=str(tmp_path / "ckpt"),
@@ -613,10 +583,10 @@ def test_driver_holds_refs_only_and_stages_stream(
     monkeypatch.setattr(batch_module, "_from_ipc_unchecked", _refuse_in_driver)
     pipe = Pipeline(generators, learner, world.questions[:10], stages, config)
     history = pipe.run()
-    assert pipe.trained_groups == list(range(12))
+    assert pipe.trained_groups == list(range(6))
     for m in history:
-        assert m["slow/calls"] == 4  # once per chunk, 4 chunks of 1 group per step
-        assert m["time/stage_slow_s"] >= 4 * 0.3
+        assert m["slow/calls"] == 2  # once per chunk, 2 chunks of 1 group per step
+        assert m["time/stage_slow_s"] >= 2 * 0.3
         assert 0 <= m["time/stages_hidden_s"] <= m["time/stages_s"]
     # after the first step, some of the stage time overlapped training
     assert sum(m["time/stages_hidden_s"] for m in history[1:]) > 0
@@ -632,7 +602,7 @@ def test_driver_holds_refs_only_and_stages_stream(
         resume_from=tmp_path / "ckpt",
     )
     resumed.run()
-    assert resumed.trained_groups == list(range(16))
+    assert resumed.trained_groups == list(range(8))
     learner.shutdown()
 
 
