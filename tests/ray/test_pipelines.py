@@ -1,5 +1,6 @@
 """The pipeline scripts as users run them (subprocess, connected to the shared cluster
-through RAY_ADDRESS), with tiny-random: outputs, then a resumed run."""
+through RAY_ADDRESS), with tiny-random: outputs, then a resumed run. Whole runs are the
+second test command's (`pytest -m e2e`); the default one keeps an in-process train()."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def test_tspo_with_vllm_generators(ray_cluster, tmp_path):
     assert rows[-1]["sync/publications"] >= 1
 
 
+@pytest.mark.e2e  # three runs of the scripts (warm-start, resume, eval.py): the second test command
 @pytest.mark.slow
 def test_tspo_writes_its_outputs_and_resumes(ray_cluster, tmp_path):
     """Outputs in output_dir/name; checkpoints, the warm start and a copy of the outputs in
@@ -226,6 +228,7 @@ def test_a_driver_killed_mid_run_resumes_from_its_last_checkpoint(ray_cluster, t
     assert [r["pipeline/step"] for r in rows] == [1, 2, 3, 4] and "step 4/4" in stdout
 
 
+@pytest.mark.e2e  # a whole run with a judge model: the second test command
 @pytest.mark.slow
 def test_search_p1_with_an_llm_judge_makes_plans_and_scores_paths(ray_cluster, tmp_path):
     """Search-P1 with an LLM judge (a tiny random model, guided into the reply's form):
@@ -251,6 +254,7 @@ def test_search_p1_with_an_llm_judge_makes_plans_and_scores_paths(ray_cluster, t
     assert summary["departures"] == [] and summary["config"]["learner"]["loss"]["clip_high"] == 0.28
 
 
+@pytest.mark.e2e  # a whole run with an info-gain scorer: the second test command
 @pytest.mark.slow
 def test_a2tgpo_pipeline_trains_at_turn_level(ray_cluster, tmp_path):
     args = [*SMALL, "--pipeline.steps", "1", "--output_dir", str(tmp_path), "--wandb", "disabled",
@@ -300,6 +304,7 @@ def test_train_runs_the_users_stages_around_the_methods_estimator(ray_cluster, t
     assert np.isfinite(last["learner/loss"])
 
 
+@pytest.mark.e2e  # a whole run of eval.py: the second test command
 def test_eval_scores_every_question_of_a_question_file(ray_cluster, tmp_path):
     """pipelines/eval.py on a 53-question test file and its corpus, no --split: no
     training run's split applies, so all 53 are evaluated, each once."""

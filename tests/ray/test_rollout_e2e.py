@@ -54,6 +54,7 @@ def test_recall_at_k_of_supporting_documents(ray_cluster, world, retriever):
     assert recall_all < recall  # 2-hop questions are not answered by one search
 
 
+@pytest.mark.e2e  # SmolLM2 rollouts, a scorer and judges, end to end: the second test command
 @pytest.mark.slow
 def test_full_rollout_with_signals_feeds_every_estimator(ray_cluster, world, retriever):
     config = GeneratorConfig(

@@ -44,6 +44,7 @@ def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout_s: float)
     pytest.fail(f"no {pattern!r} within {timeout_s} s:\n{log.read_text()[-4000:]}")
 
 
+@pytest.mark.e2e  # the command as users run it, Serve up and down: the second test command
 def test_serve_command_answers_and_stops_cleanly(ray_cluster, tmp_path):
     from ray import serve
 

@@ -41,6 +41,7 @@ def test_two_ddp_workers_fit_what_one_process_fits(ray_cluster, demos, tmp_path)
     assert not (tmp_path / "policy" / "sft_metrics.json").exists()
 
 
+@pytest.mark.e2e  # two Ray Train jobs, the second resumed: the second test command
 def test_a_job_started_again_resumes_from_its_checkpoint(ray_cluster, demos, tmp_path):
     batch, pad = demos
     first = FitConfig(epochs=1, lr=3e-3, batch_size=4)
@@ -60,6 +61,7 @@ def test_a_job_started_again_resumes_from_its_checkpoint(ray_cluster, demos, tmp
     assert len(again["loss_per_epoch"]) == 2
 
 
+@pytest.mark.e2e  # the script as users run it, two workers: the second test command
 def test_pipelines_sft_fits_a_chat_file_on_two_workers(ray_cluster, tmp_path):
     import os
     import subprocess
