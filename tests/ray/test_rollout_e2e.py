@@ -25,6 +25,11 @@ from ray_credit.testing import max_logprob_gap  # noqa: E402
 TOPK = 3
 
 
+# the rollout-quality figures of docs/benchmarks.md (an index over 537 questions' corpus,
+# SmolLM2 rollouts): the second test command's
+pytestmark = pytest.mark.e2e
+
+
 @pytest.fixture(scope="module")
 def world():
     return make_world(WorldConfig(seed=0, num_entities=80))
@@ -54,7 +59,6 @@ def test_recall_at_k_of_supporting_documents(ray_cluster, world, retriever):
     assert recall_all < recall  # 2-hop questions are not answered by one search
 
 
-@pytest.mark.e2e  # SmolLM2 rollouts, a scorer and judges, end to end: the second test command
 @pytest.mark.slow
 def test_full_rollout_with_signals_feeds_every_estimator(ray_cluster, world, retriever):
     config = GeneratorConfig(
