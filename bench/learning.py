@@ -19,20 +19,21 @@ evidence judge, which needs no model. All runs share one local Ray (or RAY_ADDRE
 ``--compose NAME=COMPOSITION`` adds a method of your own: a composition of credit parts
 (docs/estimators.md) trained by ``pipelines/compose.py``, its parts' recipe included.
 
-Reports, per method: held-out EM after training across seeds (mean, std and a 95 %
-t-interval; per data source: 1-, 2- and 3-hop apart), its change from before training
-(mean of the per-seed paired changes), the same change pooled over every seed's
-questions and, for each method but GRPO, its EM after training minus GRPO's on the same
-seeds' questions (paired bootstrap intervals), the training reward per step (mean and a
-band of one std across seeds), the share of all-wrong groups and of zero-advantage
-groups, searches per question by hop type, and wall time per run. Writes JSON
+Reports, per method: held-out EM after training across seeds (the mean over seeds, with
+an interval resampling the seeds, then each drawn seed's questions; per data source:
+1-, 2- and 3-hop apart, with a t-interval over the seeds' means), its change from before
+training and, for each method but GRPO, its EM after training minus GRPO's on the same
+seeds' questions (the mean over seeds of each seed's paired change, the same two-level
+interval; on one seed, the paired bootstrap and the sign test), the training reward per
+step (mean and a band of one std across seeds), the share of all-wrong groups and of
+zero-advantage groups, searches per question by hop type, and wall time per run. Writes JSON
 (``--out``), the tables as Markdown beside it, and one PNG (``--plot``): reward curves
 with bands, and every seed's paired change with the mean and its interval.
 
 ``--against RUNS.jsonl`` (the record of another study, made with other settings) measures
 a setting: each method's EM after training minus the same method's EM after training in
-that study, on the same seeds' held-out questions (paired bootstrap, pooled over the
-seeds both studies ran). Runs share their warm-start when both studies were given the
+that study, on the same seeds' held-out questions (paired, over the seeds both studies
+ran, with the same two-level interval). Runs share their warm-start when both studies were given the
 same one (``--runs-dir`` holding the other's ``warm_start-seedN`` folders, or links to
 them), so that the difference is the setting's alone. ``--against-method M`` compares
 every method with M's runs there instead (GRPO run here against TSPO's runs there, on
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--against-method needs --against RUNS.jsonl")
     started = time.perf_counter()
     if args.report is not None:
+        if not args.report.is_file():
+            parser.error(f"--report {args.report}: no such study record (runs.jsonl)")
         try:
             recorded = recorded_runs(args.report, None)
         except (OSError, ValueError) as err:
@@ -449,12 +452,14 @@ def rl_seconds(rows: list[dict]) -> float:
 
 
 def aggregate(runs: list[dict]) -> dict:
-    """Across seeds: held-out EM after training and its paired change from before (all
-    questions and per data source), each the mean over seeds with a two-level bootstrap
-    interval (seeds resampled, then each drawn seed's questions:
-    :func:`ray_credit.stats.seeded_paired_difference`); how many seeds' own paired
-    intervals exclude 0 either way; mean shares, searches and wall time. Runs recorded
-    without per-question outcomes get a Student-t interval over the seeds' figures."""
+    """Across seeds: held-out EM after training (all questions) and its paired change
+    from before (all questions and per data source), each the mean over seeds with a
+    two-level bootstrap interval (seeds resampled, then each drawn seed's questions:
+    :func:`ray_credit.stats.seeded_paired_difference`); EM before training and EM after
+    per data source with a Student-t interval over the seeds' figures; how many seeds'
+    own paired intervals exclude 0 either way; mean shares, searches and wall time. Runs
+    recorded without per-question outcomes get a Student-t interval over the seeds'
+    figures."""
     per_question = all("correct_after" in r for r in runs)
     sources = sorted({s for r in runs for s in r["em_after_by_source"]})
     changes = {part: pooled(runs, source=None if part == "all" else part)
@@ -619,7 +624,7 @@ def table(report: dict) -> str:
             str(agg["em_after"]["n"]),
             f"{agg['em_before']['mean']:.3f}",
             _with_ci(agg["em_after"], "{:.3f}"),
-            _with_ci(agg["em_change"], "{:+.3f}"),
+            _change_cell(agg, "all"),
             *(_change_cell(agg, s) if s in agg["em_change_by_source"] else "n/a" for s in sources),
             f"{agg['seeds_with_significant_gain']}/{agg['seeds_with_significant_loss']}",
             _fmt(agg["groups_all_wrong"], "{:.2f}"),
@@ -733,12 +738,14 @@ def _paired(change: dict | None, seeds: int = 0) -> str:
     )
 
 
-def _change_cell(agg: dict, source: str) -> str:
-    """A data source's change across seeds, or that none of its questions changed."""
-    moved = (agg.get("em_change_pooled") or {}).get(source)
+def _change_cell(agg: dict, part: str) -> str:
+    """The change across seeds on all questions (``part="all"``) or a data source's, or
+    that none of those questions changed."""
+    moved = (agg.get("em_change_pooled") or {}).get(part)
     if moved is not None and moved["better"] + moved["worse"] == 0:
         return "no question changed"
-    return _with_ci(agg["em_change_by_source"][source], "{:+.3f}")
+    return _with_ci(agg["em_change"] if part == "all" else agg["em_change_by_source"][part],
+                    "{:+.3f}")  # fmt: skip
 
 
 def _with_ci(stat: dict, fmt: str) -> str:

@@ -9,14 +9,19 @@ it can move by chance. Two intervals, both at ``confidence`` (default 95 %):
   evaluations share cancels). The interval excludes zero when the change is more than
   the questions' own spread explains. With few questions that changed, a bootstrap
   interval is too narrow: the exact sign test on them (``p_sign``) says how likely that
-  split is by chance (2 better, 0 worse: p = 0.5, though every resample is positive);
+  split is by chance (4 better and 0 worse of 120 questions: the interval excludes zero,
+  as a resample misses all four only 1.8 % of the time, but p = 0.125);
 * :func:`seeded_paired_difference` and :func:`seeded_mean`: the same over several
   training runs (seeds), each with its own questions' outcomes. A seed is one draw of
   the training's randomness, so the interval resamples seeds, then questions within
   each drawn seed: pooling every seed's questions into one bootstrap would count only the
-  questions' spread, as if the seeds' runs were one. With three seeds it is still
-  narrower than the truth (a bootstrap over n draws shrinks their spread by (n-1)/n);
-  read it as a floor of the uncertainty.
+  questions' spread, as if the seeds' runs were one. It errs both ways with three
+  seeds: each seed's mean already holds its questions' noise, which resampling them
+  again counts twice (where the seeds agree, the interval is about 1.3 times too wide),
+  while a bootstrap over three draws shrinks the seeds' own spread by sqrt(2/3) (where
+  they differ, it is too narrow). Read it as an order of magnitude, not an exact level.
+  The sign test is given for one seed only: pooling the seeds' questions into one test
+  would count them as one run.
 
 Pure NumPy, seeded, no Ray.
 """
@@ -37,7 +42,9 @@ __all__ = [
     "sign_test",
 ]
 
-_CELLS = 20_000_000  # resampled indices held at once (160 MB of int64): resamples go in chunks
+# resampled indices held at once (160 MB of int64, as much again for the values they
+# gather): resamples go in chunks
+_CELLS = 20_000_000
 
 
 def proportion_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -96,8 +103,9 @@ def seeded_paired_difference(
     then each drawn seed's questions (see the module docstring). One seed: exactly
     :func:`paired_difference`'s interval.
 
-    Returns ``diff``, ``low``, ``high``, ``n`` (pairs, all seeds), ``seeds``, ``better``,
-    ``worse`` and ``p_sign`` (over all pairs), ``confidence``."""
+    Returns ``diff``, ``low``, ``high``, ``n`` (pairs, all seeds), ``seeds``, ``better``
+    and ``worse`` (over all pairs), ``p_sign`` (the sign test of one seed's pairs; None
+    for several, whose pairs are not one sample), ``confidence``."""
     _check_confidence(confidence)
     resamples, seed = _check_resampling(resamples, seed)
     if not isinstance(pairs, Mapping) or not pairs:
@@ -112,8 +120,11 @@ def seeded_paired_difference(
             raise type(err)(f"seed {run!r}: {err}") from err
     everything = np.concatenate(list(deltas.values()))
     diff, low, high = _two_level(list(deltas.values()), confidence, resamples, seed)
+    moved = _moved(everything)
+    if len(deltas) > 1:
+        moved["p_sign"] = None
     return {"diff": diff, "low": low, "high": high, "n": int(everything.size),
-            "seeds": len(deltas), **_moved(everything), "confidence": confidence}  # fmt: skip
+            "seeds": len(deltas), **moved, "confidence": confidence}  # fmt: skip
 
 
 def seeded_mean(
@@ -134,7 +145,9 @@ def seeded_mean(
     values = []
     for run, per_question in scores.items():
         keys = sorted(per_question) if isinstance(per_question, Mapping) else ()
-        items = [per_question[k] for k in keys] if keys else per_question
+        items = (
+            [per_question[k] for k in keys] if isinstance(per_question, Mapping) else per_question
+        )
         array = _scores(items, f"seed {run!r}", keys)
         if array.ndim != 1 or array.size == 0:
             raise ValueError(f"seed {run!r} needs one score per question, got {array.shape}")
@@ -186,6 +199,9 @@ def _moved(delta: np.ndarray) -> dict[str, float]:
 def sign_test(better: int, worse: int) -> float:
     """Exact two-sided sign test: the probability, if moving up or down were a fair coin,
     of a split of ``better + worse`` moves at least as uneven as this one (1 when none)."""
+    better, worse = _count(better, "better"), _count(worse, "worse")
+    if better < 0 or worse < 0:
+        raise ValueError(f"better and worse are counts of questions, got {better} and {worse}")
     n = better + worse
     if n == 0:
         return 1.0

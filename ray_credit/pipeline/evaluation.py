@@ -393,7 +393,8 @@ def describe_change(
             verdict = "excludes 0" if c["low"] > 0 or c["high"] < 0 else "includes 0"
             interval = f"95% CI {c['low']:+.3f}, {c['high']:+.3f}; {verdict}"
         # the sign test on the questions that moved: a bootstrap interval is too narrow
-        # when few did (2 better, 0 worse excludes 0; the sign test says p = 0.5)
+        # when few did (4 better, 0 worse of 120 questions excludes 0; the sign test says
+        # p = 0.125)
         p_sign = c.get("p_sign")
         sign = f"; sign test p={p_sign:.3f}" if p_sign is not None else ""
         lines.append(

@@ -101,6 +101,15 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "l.json").read_text())
     assert [r["seed"] for r in report["runs"]["tspo"]] == [0, 1]
     assert report["methods"]["tspo"]["em_after"]["n"] == 2
+    # --report recomputes the tables from the record alone: nothing runs, the same figures
+    calls[:] = []
+    again = ["--methods", "grpo,tspo", "--seeds", "0,1", "--out", str(tmp_path / "r.json")]
+    assert learning.main([*again, "--report", str(record)]) == 0 and calls == []
+    recomputed = json.loads((tmp_path / "r.json").read_text())
+    assert recomputed["methods"] == report["methods"]
+    with pytest.raises(SystemExit):
+        learning.main([*again, "--report", str(tmp_path / "nowhere.jsonl")])
+    assert "nowhere.jsonl: no such study record" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         learning.main([*argv[:-4], "--set", "pipeline.steps=3", *argv[-4:]])
     assert "give the same --set" in capsys.readouterr().err
@@ -191,7 +200,8 @@ def test_pooled_changes_pair_by_seed_and_question():
     assert (change["n"], change["seeds"], change["better"], change["worse"]) == (8, 2, 4, 1)
     # the mean of the seeds' changes (1/4 and 2/4), the interval over seeds and questions
     assert abs(change["diff"] - 3 / 8) < 1e-12 and change["low"] <= change["diff"]
-    assert change["p_sign"] == 0.375  # 4 up, 1 down: 2 * (1 + 5) / 2^5
+    assert change["p_sign"] is None  # no sign test over two runs' questions pooled
+    assert pooled(tspo[:1])["p_sign"] == 1.0  # one seed: 2 up, 1 down: 2 * (1 + 3) / 2^3
     versus = pooled(tspo, grpo)  # seed 0: q0 better, q3 worse; seed 1: q0 and q2 better
     assert (versus["n"], versus["better"], versus["worse"]) == (8, 3, 1)
     one_hop = pooled(tspo, source="1hop")  # q0 and q2 of each seed, all four better but one
@@ -231,9 +241,13 @@ def test_seeds_that_disagree_widen_the_interval_of_the_mean():
     one = pooled([run(0, 10)])
     assert _paired(one, 1) == f"+0.100 [{one['low']:+.3f}, {one['high']:+.3f}] (10/0, p=0.002)"
     assert _paired(pooled([run(0, 0)]), 3) == "no question changed (n=100, 1 of 3 seeds)"
-    agg = {"em_change_pooled": {"1hop": pooled([run(0, 0)])},
-           "em_change_by_source": {"1hop": {"mean": 0.0, "low": 0.0, "high": 0.0}}}  # fmt: skip
-    assert _change_cell(agg, "1hop") == "no question changed"
+    unmoved = {"mean": 0.0, "low": 0.0, "high": 0.0}
+    agg = {"em_change_pooled": {"all": pooled([run(0, 0)]), "1hop": pooled([run(0, 0)])},
+           "em_change": unmoved, "em_change_by_source": {"1hop": unmoved}}  # fmt: skip
+    assert _change_cell(agg, "1hop") == _change_cell(agg, "all") == "no question changed"
+    agg["em_change_pooled"]["all"] = agreeing
+    agg["em_change"] = {"mean": agreeing["diff"], "low": agreeing["low"], "high": agreeing["high"]}
+    assert _change_cell(agg, "all").startswith("+0.093 [")
 
 
 def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch, capsys):

@@ -55,6 +55,9 @@ def test_few_questions_that_moved_get_the_exact_sign_test_beside_the_interval():
     assert sign_test(1, 7) == sign_test(7, 1) and sign_test(0, 0) == 1.0
     assert sign_test(30, 0) == pytest.approx(2 / 2**30)
     assert paired_difference(before, before)["p_sign"] == 1.0  # nothing moved
+    for bad in ((-1, 3), (2.5, 1)):
+        with pytest.raises(ValueError, match="count|whole number"):
+            sign_test(*bad)
 
 
 def _seed_runs(changes, n=120, seed=0):
@@ -82,16 +85,18 @@ def test_an_interval_over_seeds_resamples_the_seeds_not_only_their_questions():
     seeded = seeded_paired_difference(runs)
     assert seeded["diff"] == pytest.approx(0.05) and seeded["low"] < 0 < seeded["high"]
     assert (seeded["n"], seeded["seeds"], seeded["better"], seeded["worse"]) == (360, 3, 24, 6)
+    assert seeded["p_sign"] is None  # three runs' questions are not one sample to test
     assert seeded == seeded_paired_difference(runs)  # seeded
     # runs that agree keep an interval that excludes 0
     assert seeded_paired_difference(_seed_runs([0.10, 0.08, 0.10]))["low"] > 0
     # one seed: the questions' bootstrap, paired_difference's to the digit
     alone = seeded_paired_difference({0: runs[0]})
     plain = paired_difference(*runs[0])
-    assert (alone["diff"], alone["low"], alone["high"]) == (
+    assert (alone["diff"], alone["low"], alone["high"], alone["p_sign"]) == (
         plain["diff"],
         plain["low"],
         plain["high"],
+        plain["p_sign"],
     )
     with pytest.raises(ValueError, match="seed 1: before and after score different questions"):
         seeded_paired_difference({0: runs[0], 1: (runs[1][0], {"q0": 1.0})})
@@ -106,6 +111,9 @@ def test_a_mean_over_seeds_has_the_two_level_interval():
     assert (constant["low"], constant["high"]) == (1.0, 1.0)  # equal weight per seed
     apart = seeded_mean({0: [0.0] * 100, 1: [1.0] * 100})  # two seeds that disagree fully
     assert apart["mean"] == 0.5 and apart["low"] == 0.0 and apart["high"] == 1.0
+    for empty in ({}, []):
+        with pytest.raises(ValueError, match="seed 1 needs one score per question"):
+            seeded_mean({0: [1.0], 1: empty})
 
 
 def test_a_large_evaluation_is_resampled_in_chunks_with_the_same_interval():
