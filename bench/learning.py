@@ -252,7 +252,7 @@ def _report(args, parser, seeds, settings, composed, against, runs, started) -> 
                 for part in parts
             }
     if against:  # each method against its own (or --against-method's) runs there, paired
-        report["against"] = {"record": str(args.against.resolve()),
+        report["against"] = {"record": str(args.against),
                              "settings": next(iter(against.values()))["settings"],
                              "method": args.against_method}  # fmt: skip
         for method, agg in report["methods"].items():
