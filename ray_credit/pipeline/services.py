@@ -88,9 +88,14 @@ def connect(cfg: Any, demand: Mapping[str, float] | None = None, *, asks: Sequen
     if asks:  # refused here, before Ray starts, when it cannot fit
         log.info(place(asks, local_nodes(cfg.resources, cpus), "a local Ray").table())
     gpus = cfg.resources.local_gpus
-    # address="local": a new cluster even when a `ray start` head runs on this machine
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-             **({"num_gpus": gpus} if gpus is not None else {}), **quiet)  # fmt: skip
+    # address="local": a new cluster even when a `ray start` head runs on this machine.
+    # With its dashboard: Ray Train's placement-group cleaner (the warm-start's and SFT's
+    # jobs) asks the state API it serves whether the training's controller lives. Without
+    # one it warns every second of the job, and another Ray's dashboard on this machine's
+    # default port answers in its place: it knows no such actor, the cleaner reads the
+    # controller as dead and removes the placement group under the running training.
+    context = ray.init(address="local", num_cpus=cpus, include_dashboard=True,
+                       **({"num_gpus": gpus} if gpus is not None else {}), **quiet)  # fmt: skip
     short = _shortage(demand, ray.cluster_resources())
     if short:
         ray.shutdown()
@@ -100,7 +105,11 @@ def connect(cfg: Any, demand: Mapping[str, float] | None = None, *, asks: Sequen
             "(generator_cpus, learner_cpus, eval_cpus, ...), unset the custom resources "
             "(resources.*_resource), or submit the run to a cluster that has them"
         )
-    log.info(f"started a local Ray with {cpus} logical CPUs")
+    dashboard = getattr(context, "dashboard_url", None)
+    log.info(
+        f"started a local Ray with {cpus} logical CPUs"
+        + (f" (dashboard: http://{dashboard})" if dashboard else "")
+    )
     return ray
 
 
