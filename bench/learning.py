@@ -26,16 +26,16 @@ training and, for each method but GRPO, its EM after training minus GRPO's on th
 seeds' questions (the mean over seeds of each seed's paired change, the same two-level
 interval; on one seed, the paired bootstrap and the sign test), the training reward per
 step (mean and a band of one std across seeds), the share of all-wrong groups and of
-zero-advantage groups, searches per question by hop type, and wall time per run. Writes JSON
-(``--out``), the tables as Markdown beside it, and one PNG (``--plot``): reward curves
+zero-advantage groups, searches per question by hop type, and wall time per run. Writes
+JSON (``--out``), the tables as Markdown beside it, and one PNG (``--plot``): reward curves
 with bands, and every seed's paired change with the mean and its interval.
 
 ``--against RUNS.jsonl`` (the record of another study, made with other settings) measures
 a setting: each method's EM after training minus the same method's EM after training in
 that study, on the same seeds' held-out questions (paired, over the seeds both studies
-ran, with the same two-level interval). Runs share their warm-start when both studies were given the
-same one (``--runs-dir`` holding the other's ``warm_start-seedN`` folders, or links to
-them), so that the difference is the setting's alone. ``--against-method M`` compares
+ran, with the same two-level interval). Runs share their warm-start when both studies
+were given the same one (``--runs-dir`` holding the other's ``warm_start-seedN`` folders,
+or links to them), so that the difference is the setting's alone. ``--against-method M`` compares
 every method with M's runs there instead (GRPO run here against TSPO's runs there, on
 the same settings and warm-start: a method against another, run in two studies).
 

@@ -144,10 +144,11 @@ def seeded_mean(
         raise ValueError("seeded_mean needs a mapping from seed to per-question scores")
     values = []
     for run, per_question in scores.items():
-        keys = sorted(per_question) if isinstance(per_question, Mapping) else ()
-        items = (
-            [per_question[k] for k in keys] if isinstance(per_question, Mapping) else per_question
-        )
+        if isinstance(per_question, Mapping):
+            keys = sorted(per_question)
+            items = [per_question[k] for k in keys]
+        else:
+            keys, items = (), per_question
         array = _scores(items, f"seed {run!r}", keys)
         if array.ndim != 1 or array.size == 0:
             raise ValueError(f"seed {run!r} needs one score per question, got {array.shape}")
