@@ -378,7 +378,9 @@ class Pipeline:
             progress=None)`` -> ``(batch, summary)`` with ``num_returns=2``, ``progress``
             the title of a progress bar, which may be ignored;
             ``update_weights(version, weights)``,
-            ``get_policy_version()``; :class:`~ray_credit.actors.generator.Generator`).
+            ``get_policy_version()``; :class:`~ray_credit.actors.generator.Generator`):
+            fresh ones, or those of an earlier run on the same learner, which this one
+            goes on with (ones ahead of the learner are refused).
         learner: a :class:`~ray_credit.actors.learner_group.LearnerGroup` (or anything
             with ``submit_train(refs)`` returning a call with ``refs`` and ``result()``,
             ``weights()``, ``save(folder)`` and ``policy_version``).
@@ -497,8 +499,7 @@ class Pipeline:
         self.trained_groups: list[int] = []  # stream indices trained, in order (for checks)
         if resume_from is not None:
             self._restore(resume_from)
-        if self.version > 0:  # resumed: generators start from the base weights
-            self._publish()
+        self._start_on_the_learners_weights()
 
     # ----------------------------------------------------------------- data stream
     def question_at(self, index: int) -> Mapping[str, Any]:
@@ -929,6 +930,43 @@ class Pipeline:
                 f"({type(err).__name__}: {err}); give it restarts "
                 "(resources.generator_max_restarts) or see its log (OOM? a crash?)"
             ) from err
+
+    def _start_on_the_learners_weights(self) -> None:
+        """Bring every weight target to the learner's policy version before the first chunk.
+
+        Fresh actors hold the base weights as version 0: a resumed learner's weights are
+        published to them. Actors that served an earlier run on this learner (a script that
+        trains in phases on the same actors) hold its version already: the run goes on
+        with them, and one of them found back on older weights is sent the learner's.
+        Actors ahead of the learner served another learner: refused, by name, since
+        their turns would be labelled with versions this learner never had.
+        """
+        import ray
+
+        targets, names = self.publisher.targets, self.publisher.names
+        versions = ray.get(
+            [t.get_policy_version.remote() for t in targets], timeout=self.config.timeout_s
+        )
+        ahead = [
+            f"{n} (version {v})" for n, v in zip(names, versions, strict=True) if v > self.version
+        ]
+        if ahead:
+            raise ValueError(
+                f"{', '.join(ahead)} ahead of the learner's policy version {self.version}: "
+                "they hold weights of another learner's run. Give this run new generators "
+                "(make_generator_actor), or the learner they trained with"
+            )
+        behind = [i for i, v in enumerate(versions) if v < self.version]
+        if len(behind) == len(targets):  # a resumed learner's weights, to fresh actors
+            self._publish()
+            return
+        if self.version == 0:  # fresh actors, a fresh learner
+            return
+        # the actors go on from an earlier run on this learner: nothing to send to them
+        sends_itself = self.publisher.sends_itself
+        self.publisher.adopt(self.version, None if sends_itself else self.learner.weights())
+        for i in behind:  # Ray restarted it after that run's last publication
+            self.publisher.resync(i)
 
     def _publish(self) -> None:
         self._epoch_published = list(self._epoch)

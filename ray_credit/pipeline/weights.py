@@ -95,6 +95,21 @@ class WeightPublisher:
         self.version = version
         self.metrics["sync/publications"] += 1
 
+    def adopt(self, version: int, weights: Any) -> None:
+        """Take ``version`` as published without sending it: the targets hold it already
+        (they served an earlier run on the same learner). ``weights`` (a state dict or an
+        ObjectRef to one; None for a publisher that sends its own) is what :meth:`resync`
+        sends a target found back on older weights."""
+        import ray
+
+        if self.version is not None and version <= self.version:
+            raise ValueError(
+                f"version {version} is not newer than the last published {self.version}"
+            )
+        self.version = version
+        if weights is not None:
+            self._weights = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+
     def _send(self, version: int, weights: Any) -> None:
         """Start the transfer of one publication: one ``update_weights`` per live target."""
         import ray

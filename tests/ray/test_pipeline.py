@@ -70,6 +70,31 @@ def retriever(ray_cluster, world):
     return make_retriever_actor(world.corpus, num_cpus=0.25)
 
 
+# tiny-random's rewards are all 0, so GRPO's advantages are too: an entropy term keeps the
+# learner's passes (and the time they overlap with stages) instead of its zero-gradient
+# shortcut
+LEARNING = LearnerConfig(lr=1e-3, entropy_coef=1e-3)
+
+
+@pytest.fixture(scope="module")
+def live(ray_cluster, retriever):
+    """Two generators and a learner that every run here without a fault of its own goes on
+    with, one after the other (starting actors is most of a test's time): each test reads
+    the policy version it starts from."""
+    # half a CPU: the tests' own actors fit beside them on the cluster's 4
+    generators, learner = _parts(
+        retriever, learner_config=LEARNING, resources_per_worker={"CPU": 0.5}
+    )
+    yield generators, learner
+    learner.shutdown()
+    for generator in generators:
+        ray_cluster.kill(generator)
+
+
+def _versions(ray_cluster, generators):
+    return ray_cluster.get([g.get_policy_version.remote() for g in generators])
+
+
 def _parts(retriever, n_generators=2, resume_from=None, learner_config=None, **learner_kwargs):
     generators = [
         make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25)
@@ -85,8 +110,9 @@ def _parts(retriever, n_generators=2, resume_from=None, learner_config=None, **l
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
-def test_staleness_bound_and_every_group_once(ray_cluster, world, retriever, max_staleness):
-    generators, learner = _parts(retriever)
+def test_staleness_bound_and_every_group_once(ray_cluster, world, live, max_staleness):
+    generators, learner = live
+    start = learner.policy_version
     config = PipelineConfig(steps=4, groups_per_step=4, chunk_groups=2, max_staleness=max_staleness)
     pipe = Pipeline(generators, learner, world.questions[:10], [estimator_stage("grpo")], config)
     history = pipe.run()
@@ -103,9 +129,45 @@ def test_staleness_bound_and_every_group_once(ray_cluster, world, retriever, max
     if max_staleness >= 1:  # the generators ran ahead: some trained turns were stale
         assert sum(m["staleness/1"] for m in history) > 0
         assert max(m["pipeline/groups_ahead"] for m in history) > 0
-    versions = ray_cluster.get([g.get_policy_version.remote() for g in generators])
-    assert versions == [4, 4] == [learner.policy_version] * 2
-    learner.shutdown()
+    assert _versions(ray_cluster, generators) == [start + 4] * 2 == [learner.policy_version] * 2
+
+
+def test_a_run_goes_on_with_the_actors_of_an_earlier_one(ray_cluster, world, live):
+    """A second run on the same generators and learner starts from their version without
+    sending weights; one found back on older weights (Ray restarted it since) is sent the
+    learner's; generators ahead of a learner (they trained with another) are refused."""
+    generators, learner = live
+    config = PipelineConfig(steps=1, groups_per_step=4, chunk_groups=2)
+    Pipeline(generators, learner, world.questions[:10], [estimator_stage("grpo")], config).run()
+    start = learner.policy_version
+    assert start >= 1 and _versions(ray_cluster, generators) == [start] * 2
+
+    class FreshLearner:  # refused before any call but its version
+        policy_version = 0
+
+    with pytest.raises(ValueError, match=rf"generator0 \(version {start}\), generator1 .* ahead"):
+        Pipeline(generators, FreshLearner(), world.questions[:10], [], config)
+
+    def back_on_the_base_weights(self):  # what a restarted generator holds
+        from ray_credit.models import load_model
+
+        self.sampler.load_weights(load_model("tiny-random")[0].state_dict())
+        self.policy_version = 0
+
+    ray_cluster.get(generators[1].__ray_call__.remote(back_on_the_base_weights))
+    pipe = Pipeline(generators, learner, world.questions[:10], [estimator_stage("grpo")], config)
+    assert pipe.publisher.metrics["sync/resyncs"] == 1  # generator1 only
+    assert _versions(ray_cluster, generators) == [start] * 2
+    expected = ray_cluster.get(learner.weights())
+    got = ray_cluster.get(generators[1].__ray_call__.remote(_model_weights))
+    assert all(torch_equal(got[k], expected[k]) for k in expected)
+    history = pipe.run()
+    assert history[-1]["sync/publications"] == 1  # step 1's; none at the start
+    assert _versions(ray_cluster, generators) == [start + 1] * 2 == [learner.policy_version] * 2
+
+
+def _model_weights(self):
+    return {k: v.clone() for k, v in self.sampler.model.state_dict().items()}
 
 
 def _chdir(actor, folder):
@@ -513,7 +575,11 @@ def test_broadcast_weight_sync_over_gloo(ray_cluster, world, retriever, workers)
         make_generator_actor("tiny-random", retriever, GEN, num_cpus=0.25) for _ in range(2)
     ]
     learner = LearnerGroup(
-        "tiny-random", LearnerConfig(lr=1e-3), num_workers=workers, strategy="fsdp"
+        "tiny-random",
+        LearnerConfig(lr=1e-3),
+        num_workers=workers,
+        strategy="fsdp",
+        resources_per_worker={"CPU": 0.5},
     )
     config = PipelineConfig(steps=2, groups_per_step=4, chunk_groups=2, weight_sync="gloo")
     pipeline = Pipeline(generators, learner, world.questions, [estimator_stage("grpo")], config)
@@ -524,11 +590,7 @@ def test_broadcast_weight_sync_over_gloo(ray_cluster, world, retriever, workers)
     assert ray_cluster.get([g.get_policy_version.remote() for g in generators]) == [2, 2]
     expected = ray_cluster.get(learner.weights())
     for generator in generators:
-        got = ray_cluster.get(
-            generator.__ray_call__.remote(
-                lambda self: {k: v.clone() for k, v in self.sampler.model.state_dict().items()}
-            )
-        )
+        got = ray_cluster.get(generator.__ray_call__.remote(_model_weights))
         assert all(torch_equal(got[k], expected[k]) for k in expected)
     learner.shutdown()
 
@@ -557,7 +619,7 @@ def _refuse_in_driver(*args):
 
 
 def test_driver_holds_refs_only_and_stages_stream(
-    ray_cluster, world, retriever, tmp_path, monkeypatch
+    ray_cluster, world, retriever, live, tmp_path, monkeypatch
 ):
     """Batches refuse to unpickle in this (the driver's) process; the run still trains,
     checkpoints and resumes, because every batch stays in the object store and is read
@@ -566,11 +628,7 @@ def test_driver_holds_refs_only_and_stages_stream(
     import ray_credit.batch as batch_module
     from ray_credit.pipeline import actor_stage
 
-    # tiny-random's rewards are all 0, so GRPO's advantages are too: an entropy term keeps
-    # the learner's passes (and the time they overlap with stages) instead of its
-    # zero-gradient shortcut
-    learning = LearnerConfig(lr=1e-3, entropy_coef=1e-3)
-    generators, learner = _parts(retriever, learner_config=learning)
+    generators, learner = live
     slow = ray_cluster.remote(SlowStage).options(num_cpus=0, max_concurrency=4).remote(0.3)
     stages = [actor_stage(slow.run, name="slow"), estimator_stage("grpo")]
     config = PipelineConfig(
@@ -590,9 +648,9 @@ def test_driver_holds_refs_only_and_stages_stream(
         assert 0 <= m["time/stages_hidden_s"] <= m["time/stages_s"]
     # after the first step, some of the stage time overlapped training
     assert sum(m["time/stages_hidden_s"] for m in history[1:]) > 0
-    learner.shutdown()
 
-    generators, learner = _parts(retriever, resume_from=tmp_path / "ckpt", learner_config=learning)
+    # resumed on actors of its own: the live ones go on to the next test
+    generators, learner = _parts(retriever, resume_from=tmp_path / "ckpt", learner_config=LEARNING)
     resumed = Pipeline(
         generators,
         learner,
@@ -606,7 +664,7 @@ def test_driver_holds_refs_only_and_stages_stream(
     learner.shutdown()
 
 
-def test_step_stages_for_an_estimator_across_groups(ray_cluster, world, retriever):
+def test_step_stages_for_an_estimator_across_groups(ray_cluster, world, live):
     """An estimator that is not group-local runs once per step, on the step's chunks
     together; the pipeline refuses it as a per-chunk stage."""
     import dataclasses
@@ -625,7 +683,7 @@ def test_step_stages_for_an_estimator_across_groups(ray_cluster, world, retrieve
     est = dataclasses.replace(
         get_estimator("grpo"), name="batch_norm", fn=batch_normalized, group_local=False
     )
-    generators, learner = _parts(retriever)
+    generators, learner = live
     config = PipelineConfig(steps=2, groups_per_step=4, chunk_groups=2)
     with pytest.raises(ValueError, match="not group-local.*step_stages"):
         Pipeline(generators, learner, world.questions, [estimator_stage(est)], config)
@@ -635,4 +693,3 @@ def test_step_stages_for_an_estimator_across_groups(ray_cluster, world, retrieve
     history = pipe.run()
     assert [m["bn/trajectories"] for m in history] == [8.0, 8.0]  # the whole step at once
     assert "time/stage_estimator_batch_norm_s" in history[0]
-    learner.shutdown()
