@@ -36,6 +36,8 @@ sampling logprobs for the same weights.
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 import math
 import pickle
 import random
@@ -153,8 +155,9 @@ class LearnerConfig:
     """Mixed precision: ``"bfloat16"`` (or ``"float16"``) runs the forward and backward
     matmuls in that dtype under ``torch.autocast`` while weights, gradients and optimizer
     state stay in ``dtype`` (float32 master weights). None: off. On CPUs with bf16
-    instructions (avx512_bf16, AMX) it is ~2x faster; log-probs then differ from a
-    float32 generator's by bf16 rounding, which shows in ``learner/ratio_*``."""
+    instructions (avx512_bf16, AMX) it is ~2x faster; on CPUs without them torch
+    emulates bf16 and an update takes ~13x as long (logged once). Log-probs then differ
+    from a float32 generator's by bf16 rounding, which shows in ``learner/ratio_*``."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of
     keeping them: about a third more compute, for activation memory that no longer grows
@@ -910,12 +913,42 @@ def check_autocast(dtype: str | None) -> None:
 
 
 def autocast(device: Any, dtype: str | None):
-    """``torch.autocast`` on ``device``'s type in ``dtype`` (None: a no-op context)."""
+    """``torch.autocast`` on ``device``'s type in ``dtype`` (None: a no-op context). On a
+    CPU without bfloat16 instructions, ``"bfloat16"`` logs once per process that torch
+    emulates it (:func:`cpu_has_native_bf16`)."""
     import torch
 
     if dtype is None:
         return _null()
-    return torch.autocast(torch.device(device).type, dtype=getattr(torch, dtype))
+    kind = torch.device(device).type
+    if kind == "cpu" and dtype == "bfloat16":
+        _warn_emulated_bf16()
+    return torch.autocast(kind, dtype=getattr(torch, dtype))
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX); None where this
+    torch cannot tell."""
+    import torch
+
+    probes = [getattr(torch.cpu, name, None) for name in _BF16_PROBES]
+    if not all(callable(probe) for probe in probes):
+        return None
+    return any(probe() for probe in probes)
+
+
+_BF16_PROBES = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+
+
+@functools.cache
+def _warn_emulated_bf16() -> None:
+    if cpu_has_native_bf16() is False:
+        logging.getLogger(__name__).warning(
+            "autocast 'bfloat16' on a CPU without bfloat16 instructions (no AVX512-BF16, "
+            "no AMX): torch emulates them, and an update of SmolLM2-135M took 13x as long "
+            "as in float32 on such a CPU (docs/benchmarks.md). Set autocast to null "
+            "(learner.autocast, warm_start.autocast) unless this is a test of it"
+        )
 
 
 def token_logprobs(logits, targets):

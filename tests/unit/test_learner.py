@@ -477,3 +477,39 @@ def test_an_updates_ratio_max_and_token_rate_are_the_whole_updates(batch):
     assert metrics["learner/tokens"] == float(batch.to_torch()["loss_mask"].sum())
     rate = metrics["learner/tokens"] * 2 / metrics["learner/seconds"]
     assert metrics["learner/tokens_per_s"] == pytest.approx(rate, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("probes", "warned"), [((False, False), 1), ((True, False), 0), ((False, True), 0)]
+)
+def test_bfloat16_autocast_on_a_cpu_without_its_instructions_is_said_once(
+    monkeypatch, probes, warned
+):
+    """torch emulates bfloat16 where the CPU has neither AVX512-BF16 nor AMX: an update
+    took 13x as long as in float32 there, so the first autocast of a process says so."""
+    import logging
+
+    from ray_credit.actors import learner as learner_module
+
+    avx512_bf16, amx = probes
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    learner_module._warn_emulated_bf16.cache_clear()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("ray_credit.actors.learner")
+    logger.addHandler(handler)
+    try:
+        for _ in range(2):
+            with learner_module.autocast("cpu", "bfloat16"):
+                pass
+        with learner_module.autocast("cpu", None):
+            pass
+    finally:
+        logger.removeHandler(handler)
+        learner_module._warn_emulated_bf16.cache_clear()
+    assert len(records) == warned
+    if warned:
+        assert "no AVX512-BF16, no AMX" in records[0].getMessage()
+        assert "Set autocast to null" in records[0].getMessage()
