@@ -17,8 +17,11 @@ def ray_cluster():
     if ray.is_initialized():
         yield ray
         return
-    # address="local": our own cluster, whatever `ray start` head runs (or ran) here
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    # address="local": our own cluster, whatever `ray start` head runs (or ran) here. With
+    # its dashboard, as the pipelines start theirs: Ray Train's placement-group cleaner
+    # asks the state API whether a training's controller lives, and without one here it
+    # would ask whatever Ray's dashboard holds the default port on this machine
+    ray.init(address="local", num_cpus=4, include_dashboard=True, log_to_driver=True)
     try:
         yield ray
     finally:
