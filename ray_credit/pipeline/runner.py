@@ -941,12 +941,8 @@ class Pipeline:
         Actors ahead of the learner served another learner: refused, by name, since
         their turns would be labelled with versions this learner never had.
         """
-        import ray
-
         targets, names = self.publisher.targets, self.publisher.names
-        versions = ray.get(
-            [t.get_policy_version.remote() for t in targets], timeout=self.config.timeout_s
-        )
+        versions = [self._await_actor(t, n) for t, n in zip(targets, names, strict=True)]
         ahead = [
             f"{n} (version {v})" for n, v in zip(names, versions, strict=True) if v > self.version
         ]
