@@ -86,10 +86,7 @@ class WeightPublisher:
         Waits for the previous publication first, so at most one is in flight.
         """
         self.wait()
-        if self.version is not None and version <= self.version:
-            raise ValueError(
-                f"version {version} is not newer than the last published {self.version}"
-            )
+        self._check_newer(version)
         self._started = time.perf_counter()
         self._send(version, weights)
         self.version = version
@@ -102,13 +99,16 @@ class WeightPublisher:
         sends a target found back on older weights."""
         import ray
 
+        self._check_newer(version)
+        self.version = version
+        if weights is not None:
+            self._weights = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+
+    def _check_newer(self, version: int) -> None:
         if self.version is not None and version <= self.version:
             raise ValueError(
                 f"version {version} is not newer than the last published {self.version}"
             )
-        self.version = version
-        if weights is not None:
-            self._weights = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
 
     def _send(self, version: int, weights: Any) -> None:
         """Start the transfer of one publication: one ``update_weights`` per live target."""
