@@ -45,7 +45,8 @@ def _max_diff(a, b) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# FSDP over two ranks is the second test command's
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.e2e)])
 def test_two_workers_make_the_same_update_as_one(ray_cluster, batch, single, tmp_path, strategy):
     one, one_weights = single
     ref = ray_cluster.put(batch)
@@ -112,6 +113,7 @@ def test_chunk_refs_train_as_the_whole_batch(ray_cluster, batch, single):
     }
 
 
+@pytest.mark.e2e  # a rank killed: the second test command
 def test_failed_and_dead_ranks_are_named(ray_cluster, batch):
     group = LearnerGroup(
         "tiny-random", CONFIG, num_workers=2, timeout_s=300, resources_per_worker=WORKER

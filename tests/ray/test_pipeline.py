@@ -171,15 +171,21 @@ def _model_weights(self):
 
 
 def _chdir(actor, folder):
-    os.chdir(folder)
+    if folder is not None:
+        os.chdir(folder)
     return os.getcwd()
 
 
-def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path, monkeypatch):
+def test_resume_trains_every_group_once(ray_cluster, world, retriever, live, tmp_path, monkeypatch):
     """A run checkpoints into a checkpoint_dir named relative to the driver's working
     directory: the learner ranks (moved to another one) and the chunk-writing tasks write
     their parts there by absolute path. A run "killed" after step 2 and resumed with new
-    actors from that relative name trains every group once, with its running totals."""
+    actors from that relative name trains every group once, with its running totals. The
+    driver never reads a batch (they refuse to unpickle here): the buffered chunks go to
+    disk and back into the object store by tasks."""
+    import ray_credit.batch as batch_module
+
+    monkeypatch.setattr(batch_module, "_from_ipc_unchecked", _refuse_in_driver)
     driver, elsewhere = tmp_path / "driver", tmp_path / "worker"
     driver.mkdir()
     elsewhere.mkdir()
@@ -187,19 +193,26 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path,
     config = PipelineConfig(
         steps=2, groups_per_step=4, chunk_groups=2, max_staleness=1, checkpoint_dir="ckpt"
     )
-    generators, learner = _parts(retriever)
+    generators, learner = live  # the run that is "killed" goes on from the earlier tests'
+    start = learner.policy_version
+    workdirs = ray_cluster.get([w.__ray_call__.remote(_chdir, None) for w in learner._workers])
     moved = [w.__ray_call__.remote(_chdir, str(elsewhere)) for w in learner._workers]
     assert ray_cluster.get(moved) == [str(elsewhere)]
-    first = Pipeline(generators, learner, world.questions[:10], [estimator_stage("grpo")], config)
-    first.run()
-    learner.shutdown()
+    try:
+        first = Pipeline(
+            generators, learner, world.questions[:10], [estimator_stage("grpo")], config
+        )
+        first.run()
+    finally:
+        back = zip(learner._workers, workdirs, strict=True)
+        ray_cluster.get([w.__ray_call__.remote(_chdir, d) for w, d in back])
     assert [step for step, _ in checkpoints(driver / "ckpt")] == [2]  # saved at the end
     assert not (elsewhere / "ckpt").exists()
     saved = driver / "ckpt" / "step_000002"
     assert (saved / "learner" / "learner_state.pt").is_file()
     assert (saved / "learner" / "model" / "config.json").is_file()
     state = json.loads((saved / "pipeline.json").read_text())
-    assert state["step"] == 2 and state["policy_version"] == 2
+    assert state["step"] == 2 and state["policy_version"] == start + 2
     buffered = sorted(start for start, _ in state["buffered"])
     assert all(start >= 8 for start in buffered)  # only groups not trained yet are kept
     for start, size in state["buffered"]:  # generated ahead before the save
@@ -207,7 +220,9 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path,
     assert state["counters"]["sync/publications"] == 2  # running totals travel with it
 
     # "Killed" after step 2: a new run with new actors resumes from the checkpoint.
-    generators, learner = _parts(retriever, resume_from="ckpt")
+    generators, learner = _parts(
+        retriever, n_generators=1, resume_from="ckpt", learner_config=LEARNING
+    )
     resumed_config = PipelineConfig(**{**config.__dict__, "steps": 4, "checkpoint_every": 1})
     second = Pipeline(
         generators,
@@ -222,11 +237,12 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, tmp_path,
     history = second.run()
     assert len(history) == 2 and second.step == 4
     assert second.trained_groups == list(range(16))
-    assert learner.policy_version == 4
-    # the totals go on from the first run's: its 2 publications, the resumed learner's
-    # weights sent again at the start, then steps 3 and 4
+    assert learner.policy_version == start + 4
+    # the totals go on from the first run's: its 2 publications (it went on with actors
+    # at the learner's version: none at its start), the resumed learner's weights sent to
+    # the new generator at the start, then steps 3 and 4
     assert history[-1]["sync/publications"] == 5
-    assert ray_cluster.get(generators[0].get_policy_version.remote()) == 4
+    assert ray_cluster.get(generators[0].get_policy_version.remote()) == start + 4
     # saved after steps 3 and 4: the newest two kept (keep_checkpoints=2), step 2's gone
     assert [step for step, _ in checkpoints(driver / "ckpt")] == [3, 4]
     assert not list((driver / "ckpt").glob("*.tmp")) and not list((driver / "ckpt").glob("*.old"))
@@ -566,8 +582,9 @@ def test_generator_retries_a_retriever_that_died(ray_cluster, tmp_path):
         ray_cluster.kill(actor)
 
 
-# one learner rank is the second test command's; two ranks (each sends its shard) are here
-@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.e2e), 2])
+# the second test command's: one learner rank, and two (each sends its shard)
+@pytest.mark.e2e
+@pytest.mark.parametrize("workers", [1, 2])
 def test_broadcast_weight_sync_over_gloo(ray_cluster, world, retriever, workers):
     """weight_sync='gloo' (the NCCL path's code on CPUs): the learner broadcasts in a
     process group of its own with the generators, which end on exactly its weights."""
@@ -618,13 +635,12 @@ def _refuse_in_driver(*args):
     raise AssertionError("the driver unpickled a TrajectoryBatch")
 
 
-def test_driver_holds_refs_only_and_stages_stream(
-    ray_cluster, world, retriever, live, tmp_path, monkeypatch
-):
+def test_driver_holds_refs_only_and_stages_stream(ray_cluster, live, world, monkeypatch):
     """Batches refuse to unpickle in this (the driver's) process; the run still trains,
-    checkpoints and resumes, because every batch stays in the object store and is read
-    by generators, stage tasks and the learner. A slow stage actor runs per chunk, while
-    the learner trains the previous step."""
+    because every batch stays in the object store and is read by generators, stage tasks
+    and the learner (test_resume_trains_every_group_once checkpoints and resumes under the
+    same refusal). A slow stage actor runs per chunk, while the learner trains the
+    previous step."""
     import ray_credit.batch as batch_module
     from ray_credit.pipeline import actor_stage
 
@@ -636,7 +652,6 @@ def test_driver_holds_refs_only_and_stages_stream(
         groups_per_step=2,
         chunk_groups=1,
         max_staleness=1,
-        checkpoint_dir=str(tmp_path / "ckpt"),
     )
     monkeypatch.setattr(batch_module, "_from_ipc_unchecked", _refuse_in_driver)
     pipe = Pipeline(generators, learner, world.questions[:10], stages, config)
@@ -648,20 +663,6 @@ def test_driver_holds_refs_only_and_stages_stream(
         assert 0 <= m["time/stages_hidden_s"] <= m["time/stages_s"]
     # after the first step, some of the stage time overlapped training
     assert sum(m["time/stages_hidden_s"] for m in history[1:]) > 0
-
-    # resumed on actors of its own: the live ones go on to the next test
-    generators, learner = _parts(retriever, resume_from=tmp_path / "ckpt", learner_config=LEARNING)
-    resumed = Pipeline(
-        generators,
-        learner,
-        world.questions[:10],
-        stages,
-        PipelineConfig(**{**config.__dict__, "steps": 4}),
-        resume_from=tmp_path / "ckpt",
-    )
-    resumed.run()
-    assert resumed.trained_groups == list(range(8))
-    learner.shutdown()
 
 
 def test_step_stages_for_an_estimator_across_groups(ray_cluster, world, live):

@@ -268,6 +268,7 @@ def test_a2tgpo_pipeline_trains_at_turn_level(ray_cluster, tmp_path):
     assert last["scorer/forward_rows"] > 0 and "learner/clipfrac" in last
 
 
+@pytest.mark.e2e  # a whole run, in process: the second test command
 @pytest.mark.slow
 def test_train_runs_the_users_stages_around_the_methods_estimator(ray_cluster, tmp_path):
     """train(cfg, "tspo", stages=..., stages_after=...): the user's stage before TSPO's

@@ -175,6 +175,7 @@ def test_serve_under_load_with_clients_walking_away(retrieve_url):
 
 
 # ---------------------------------------------------------------------------- building
+@pytest.mark.e2e  # a Ray Data job of two encoder workers: the second test command
 def test_a_ray_data_build_on_two_workers_returns_the_one_pass_top_k(ray_cluster, tmp_path):
     """Shards embedded by a pool of two encoder actors index to the same top-k as every
     passage embedded at once in this process."""
@@ -206,6 +207,7 @@ def test_a_service_actor_that_fails_to_start_is_named_with_its_cause(ray_cluster
         wait_started({"retriever": bad})
 
 
+@pytest.mark.e2e  # three retriever actors: the second test command
 def test_retriever_replicas_open_the_index_the_first_one_built(ray_cluster, tmp_path):
     from ray_credit.pipeline.configs import ResourcesConfig, RetrieverConfig
     from ray_credit.pipeline.services import make_retriever

@@ -24,6 +24,7 @@ def demos():
     return batch, int(tokenizer.pad_token_id)
 
 
+@pytest.mark.e2e  # a Ray Train job of two workers: the second test command
 def test_two_ddp_workers_fit_what_one_process_fits(ray_cluster, demos, tmp_path):
     batch, pad = demos
     ws = WarmStartConfig(enabled=True, epochs=2, lr=3e-3, batch_size=4)

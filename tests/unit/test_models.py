@@ -53,6 +53,7 @@ def test_unknown_model_says_what_to_do(monkeypatch, tmp_path):
         load_model(str(tmp_path / "no-such-model"))
 
 
+@pytest.mark.e2e  # a second dequantization of the GGUF file: the second test command
 @pytest.mark.slow
 def test_smollm2_cache_matches_the_gguf_weights():
     """The safetensors cache holds exactly the weights transformers dequantizes from GGUF."""

@@ -1,8 +1,9 @@
 """The vLLM backend on a real engine (vLLM's CPU build here): SmolLM2 in float32.
 
 Behaviour log-probs against a teacher-forced forward of the same weights, seeds, the
-prefix cache, weights loaded in place (against a fresh engine built from the same
-weights), refusals, and the generator's token bookkeeping with ``backend="vllm"``.
+prefix cache, weights loaded in place (against the transformers model on the same
+weights; against a fresh engine built from them in the second test command), refusals,
+and the generator's token bookkeeping with ``backend="vllm"``.
 """
 
 from __future__ import annotations
@@ -116,20 +117,24 @@ def test_stop_strings_end_a_turn_and_stay_in_its_ids(engine, prompt):
             assert turn.hit_limit and len(turn.token_ids) == PARAMS.max_new_tokens
 
 
-def test_weights_load_in_place_like_a_fresh_engine(engine, hf, prompt, tmp_path):
-    """New weights change the samples; greedy output equals a fresh engine's built from the
-    same weights saved as a learner checkpoint's policy folder; a wrong-shaped publication
-    is refused and changes nothing."""
-    model, _ = hf
-    greedy = SamplingParams(max_new_tokens=16, temperature=0)
-    old = engine.sample([prompt], greedy, seed=0)[0].token_ids
+def _perturbed(model):
     generator = torch.Generator().manual_seed(0)
-    weights = {
+    return {
         name: value + 0.02 * torch.randn(value.shape, generator=generator)
         if value.dim() == 2
         else value.clone()
         for name, value in model.state_dict().items()
     }
+
+
+def test_weights_load_in_place_like_the_transformers_model(engine, hf, prompt):
+    """New weights change the samples, and greedy output is the transformers sampler's
+    on the same weights; a wrong-shaped publication is refused and changes nothing."""
+    model, tokenizer = hf
+    greedy = SamplingParams(max_new_tokens=16, temperature=0)
+    old = engine.sample([prompt], greedy, seed=0)[0].token_ids
+    base = {name: value.clone() for name, value in model.state_dict().items()}
+    weights = _perturbed(model)
     bad = dict(weights)
     bad["model.norm.weight"] = torch.ones(7)
     with pytest.raises(ValueError, match="shape mismatches"):
@@ -138,25 +143,47 @@ def test_weights_load_in_place_like_a_fresh_engine(engine, hf, prompt, tmp_path)
     start = time.perf_counter()
     engine.load_weights(weights)
     print(f"vLLM in-place weight load (SmolLM2-135M, float32): {time.perf_counter() - start:.2f} s")
-    new = engine.sample([prompt], greedy, seed=0)[0].token_ids
-    assert new != old
-
-    # the fresh engine reads the policy folder of a learner checkpoint, as saved in a run
-    from ray_credit.actors.learner import Learner, LearnerConfig
-
-    learner = Learner(load_model("smollm2-135m"), LearnerConfig())
-    learner.model.load_state_dict(weights)
-    learner.save(tmp_path / "checkpoint")
-    del learner
-    fresh = _engine(str(tmp_path / "checkpoint" / "model"))
-    assert fresh.sample([prompt], greedy, seed=0)[0].token_ids == new
-    # and sampling agrees too: same weights, same seeds, same tokens
-    rows = [prompt] * 3
-    assert [t.token_ids for t in fresh.sample(rows, PARAMS, seed=9)] == [
-        t.token_ids for t in engine.sample(rows, PARAMS, seed=9)
-    ]
-    engine.load_weights(model.state_dict())  # back to the base weights for other tests
+    try:
+        new = engine.sample([prompt], greedy, seed=0)[0]
+        assert new.token_ids != old
+        model.load_state_dict(weights)
+        theirs = TransformersSampler(model, tokenizer, kv_reuse_gb=0).sample(
+            [prompt], greedy, seed=0
+        )[0]
+        assert new.token_ids == theirs.token_ids
+        assert new.logprobs == pytest.approx(theirs.logprobs, abs=1e-3)
+    finally:
+        model.load_state_dict(base)
+        engine.load_weights(base)  # back to the base weights for other tests
     assert engine.sample([prompt], greedy, seed=0)[0].token_ids == old
+
+
+@pytest.mark.e2e  # a second engine: the second test command
+def test_weights_load_in_place_like_a_fresh_engine(engine, hf, prompt, tmp_path):
+    """Greedy output and seeded samples after an in-place load equal a fresh engine's
+    built from the same weights saved as a learner checkpoint's policy folder."""
+    model, _ = hf
+    greedy = SamplingParams(max_new_tokens=16, temperature=0)
+    weights = _perturbed(model)
+    engine.load_weights(weights)
+    try:
+        new = engine.sample([prompt], greedy, seed=0)[0].token_ids
+        # the fresh engine reads the policy folder of a learner checkpoint, as saved in a run
+        from ray_credit.actors.learner import Learner, LearnerConfig
+
+        learner = Learner(load_model("smollm2-135m"), LearnerConfig())
+        learner.model.load_state_dict(weights)
+        learner.save(tmp_path / "checkpoint")
+        del learner
+        fresh = _engine(str(tmp_path / "checkpoint" / "model"))
+        assert fresh.sample([prompt], greedy, seed=0)[0].token_ids == new
+        # and sampling agrees too: same weights, same seeds, same tokens
+        rows = [prompt] * 3
+        assert [t.token_ids for t in fresh.sample(rows, PARAMS, seed=9)] == [
+            t.token_ids for t in engine.sample(rows, PARAMS, seed=9)
+        ]
+    finally:
+        engine.load_weights(model.state_dict())  # back to the base weights for other tests
 
 
 def test_contexts_longer_than_the_engine_are_refused(engine):
