@@ -194,7 +194,7 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, live, tmp
         steps=2, groups_per_step=4, chunk_groups=2, max_staleness=1, checkpoint_dir="ckpt"
     )
     generators, learner = live  # the run that is "killed" goes on from the earlier tests'
-    start = learner.policy_version
+    version = learner.policy_version
     workdirs = ray_cluster.get([w.__ray_call__.remote(_chdir, None) for w in learner._workers])
     moved = [w.__ray_call__.remote(_chdir, str(elsewhere)) for w in learner._workers]
     assert ray_cluster.get(moved) == [str(elsewhere)]
@@ -212,7 +212,7 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, live, tmp
     assert (saved / "learner" / "learner_state.pt").is_file()
     assert (saved / "learner" / "model" / "config.json").is_file()
     state = json.loads((saved / "pipeline.json").read_text())
-    assert state["step"] == 2 and state["policy_version"] == start + 2
+    assert state["step"] == 2 and state["policy_version"] == version + 2
     buffered = sorted(start for start, _ in state["buffered"])
     assert all(start >= 8 for start in buffered)  # only groups not trained yet are kept
     for start, size in state["buffered"]:  # generated ahead before the save
@@ -237,12 +237,12 @@ def test_resume_trains_every_group_once(ray_cluster, world, retriever, live, tmp
     history = second.run()
     assert len(history) == 2 and second.step == 4
     assert second.trained_groups == list(range(16))
-    assert learner.policy_version == start + 4
+    assert learner.policy_version == version + 4
     # the totals go on from the first run's: its 2 publications (it went on with actors
     # at the learner's version: none at its start), the resumed learner's weights sent to
     # the new generator at the start, then steps 3 and 4
     assert history[-1]["sync/publications"] == 5
-    assert ray_cluster.get(generators[0].get_policy_version.remote()) == start + 4
+    assert ray_cluster.get(generators[0].get_policy_version.remote()) == version + 4
     # saved after steps 3 and 4: the newest two kept (keep_checkpoints=2), step 2's gone
     assert [step for step, _ in checkpoints(driver / "ckpt")] == [3, 4]
     assert not list((driver / "ckpt").glob("*.tmp")) and not list((driver / "ckpt").glob("*.old"))

@@ -23,6 +23,7 @@ from tests.unit.test_generator import QUESTIONS, WordRetriever  # noqa: E402
 
 T = 0.8
 PARAMS = SamplingParams(max_new_tokens=24, temperature=T, top_p=0.95, stop=("</search>",))
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
 
 
 def _engine(model: str = "smollm2-135m", **kwargs):
@@ -76,10 +77,8 @@ def test_behaviour_logprobs_match_teacher_forcing_over_two_turns(engine, hf, pro
 
 
 def test_greedy_equals_the_transformers_sampler(engine, hf, prompt):
-    ours = engine.sample([prompt], SamplingParams(max_new_tokens=16, temperature=0), seed=0)[0]
-    theirs = TransformersSampler(*hf, kv_reuse_gb=0).sample(
-        [prompt], SamplingParams(max_new_tokens=16, temperature=0), seed=0
-    )[0]
+    ours = engine.sample([prompt], GREEDY, seed=0)[0]
+    theirs = TransformersSampler(*hf, kv_reuse_gb=0).sample([prompt], GREEDY, seed=0)[0]
     assert ours.token_ids == theirs.token_ids
     assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-3)
     assert ours.hit_limit == theirs.hit_limit
@@ -131,31 +130,30 @@ def test_weights_load_in_place_like_the_transformers_model(engine, hf, prompt):
     """New weights change the samples, and greedy output is the transformers sampler's
     on the same weights; a wrong-shaped publication is refused and changes nothing."""
     model, tokenizer = hf
-    greedy = SamplingParams(max_new_tokens=16, temperature=0)
-    old = engine.sample([prompt], greedy, seed=0)[0].token_ids
+    old = engine.sample([prompt], GREEDY, seed=0)[0].token_ids
     base = {name: value.clone() for name, value in model.state_dict().items()}
     weights = _perturbed(model)
     bad = dict(weights)
     bad["model.norm.weight"] = torch.ones(7)
     with pytest.raises(ValueError, match="shape mismatches"):
         engine.load_weights(bad)
-    assert engine.sample([prompt], greedy, seed=0)[0].token_ids == old  # untouched
+    assert engine.sample([prompt], GREEDY, seed=0)[0].token_ids == old  # untouched
     start = time.perf_counter()
     engine.load_weights(weights)
     print(f"vLLM in-place weight load (SmolLM2-135M, float32): {time.perf_counter() - start:.2f} s")
     try:
-        new = engine.sample([prompt], greedy, seed=0)[0]
+        new = engine.sample([prompt], GREEDY, seed=0)[0]
         assert new.token_ids != old
         model.load_state_dict(weights)
         theirs = TransformersSampler(model, tokenizer, kv_reuse_gb=0).sample(
-            [prompt], greedy, seed=0
+            [prompt], GREEDY, seed=0
         )[0]
         assert new.token_ids == theirs.token_ids
         assert new.logprobs == pytest.approx(theirs.logprobs, abs=1e-3)
     finally:
         model.load_state_dict(base)
         engine.load_weights(base)  # back to the base weights for other tests
-    assert engine.sample([prompt], greedy, seed=0)[0].token_ids == old
+    assert engine.sample([prompt], GREEDY, seed=0)[0].token_ids == old
 
 
 @pytest.mark.e2e  # a second engine: the second test command
@@ -163,11 +161,10 @@ def test_weights_load_in_place_like_a_fresh_engine(engine, hf, prompt, tmp_path)
     """Greedy output and seeded samples after an in-place load equal a fresh engine's
     built from the same weights saved as a learner checkpoint's policy folder."""
     model, _ = hf
-    greedy = SamplingParams(max_new_tokens=16, temperature=0)
     weights = _perturbed(model)
     engine.load_weights(weights)
     try:
-        new = engine.sample([prompt], greedy, seed=0)[0].token_ids
+        new = engine.sample([prompt], GREEDY, seed=0)[0].token_ids
         # the fresh engine reads the policy folder of a learner checkpoint, as saved in a run
         from ray_credit.actors.learner import Learner, LearnerConfig
 
@@ -176,7 +173,7 @@ def test_weights_load_in_place_like_a_fresh_engine(engine, hf, prompt, tmp_path)
         learner.save(tmp_path / "checkpoint")
         del learner
         fresh = _engine(str(tmp_path / "checkpoint" / "model"))
-        assert fresh.sample([prompt], greedy, seed=0)[0].token_ids == new
+        assert fresh.sample([prompt], GREEDY, seed=0)[0].token_ids == new
         # and sampling agrees too: same weights, same seeds, same tokens
         rows = [prompt] * 3
         assert [t.token_ids for t in fresh.sample(rows, PARAMS, seed=9)] == [
