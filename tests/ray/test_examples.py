@@ -55,7 +55,7 @@ def test_compose_stages_example(ray_cluster):
 @pytest.mark.e2e  # SmolLM2 trained against an HTTP server, end to end: the second test command
 def test_external_retriever_example(ray_cluster):
     # the transformers sampler: three vLLM engines (training, evaluation before and after)
-    # would take minutes here, and test_tspo_with_vllm_generators covers the engine
+    # would take minutes here, and tests/e2e/test_cluster.py covers the engine in a run
     stdout = run_example(
         ray_cluster, "external_retriever.py", "--pipeline.steps", "1",
         "--generator.backend", "transformers",
@@ -83,8 +83,5 @@ def test_custom_signal_example_trains_with_it(ray_cluster):
     line = stdout.split("trained 2 steps with grounded_grpo (evidence judge): ")[1]
     judged = int(line.split()[0])
     assert judged == 8  # 2 groups x G=4 trajectories, each judged or counted
-    stdout = run_example(
-        ray_cluster, "custom_signal.py", "--pipeline.steps", "1", "--judge.backend", "hf"
-    )
-    line = stdout.split("trained 1 steps with grounded_grpo (hf judge): ")[1]
-    assert "0 unjudged" in line or "unjudged" in line
+    # (--judge.backend hf puts a model judge on an actor instead: that backend trains in
+    # test_pipelines.py's Search-P1 run)

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.e2e  # two training runs of the study, end to end: the second test command
+@pytest.mark.bench
 @pytest.mark.slow
 def test_learning_bench_quick(ray_cluster, tmp_path):
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}

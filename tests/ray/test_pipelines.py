@@ -28,11 +28,14 @@ SMALL = [
     "--resources.learner_cpus", "0.5",
     "--resources.eval_cpus", "0.5",
     # the embedded default is vLLM; these tests are about the pipelines, and tiny-random
-    # on the transformers sampler starts in a second (test_tspo_with_vllm_generators
-    # runs the default backend)
+    # on the transformers sampler starts in a second (tests/e2e/test_cluster.py's
+    # job submission runs the default backend)
     "--generator.backend", "transformers",
     # the warm-start has a test of its own (test_tspo_writes_its_outputs_and_resumes)
     "--warm_start.enabled", "false",
+    # float32: on a CPU without bf16 instructions torch emulates bf16 autocast, and a
+    # tiny-random update took 3.5x as long under it
+    "--learner.autocast", "none", "--warm_start.autocast", "none",
 ]  # fmt: skip
 
 
@@ -48,31 +51,6 @@ def run(script, args, ray_cluster, timeout=600, cwd=ROOT):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout
-
-
-@pytest.mark.e2e  # vLLM engines for training and evaluation, end to end: the second test command
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_tspo_with_vllm_generators(ray_cluster, tmp_path):
-    """`pipelines/tspo.py --generator.backend vllm`: training and evaluation generators
-    on vLLM engines, weights loaded in place after every step."""
-    stdout = run(
-        "tspo.py",
-        [*SMALL, "--output_dir", str(tmp_path), "--generator.backend", "vllm",
-         "--generator.vllm.kv_cache_gb", "1", "--wandb", "disabled"],
-        ray_cluster,
-    )  # fmt: skip
-    assert "eval before training: EM" in stdout and "step 2/2" in stdout
-    summary = json.loads((tmp_path / "tspo" / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["groups_trained"] == 4
-    assert {"eval_before", "eval_after"} <= set(summary)
-    rows = [
-        json.loads(line) for line in (tmp_path / "tspo" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert rows[-1]["gen/generated_tokens"] > 0
-    # published weights were loaded into the engine: the run waits for every publication
-    # before it ends, and a failed load fails it
-    assert rows[-1]["sync/publications"] >= 1
 
 
 @pytest.mark.e2e  # three runs of the scripts (warm-start, resume, eval.py): the second test command

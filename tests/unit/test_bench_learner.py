@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.e2e  # two training processes of the bench script: the second test command
+@pytest.mark.bench
 def test_micro_batch_memory_measures_each_value_in_its_own_process(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "learner.py"), "--model", "tiny-random",

@@ -53,6 +53,7 @@ def test_the_pipeline_check_places_on_one_gpu():
 
 
 @pytest.mark.e2e  # two learner updates with a KL reference: the second test command
+@pytest.mark.bench
 def test_a_scale_case_trains_and_estimates_its_memory_on_a_cpu():
     """The scale check's update, on a process group of one over gloo, with the KL
     reference and LoRA of its largest case, on a two-layer model of that architecture."""

@@ -61,12 +61,13 @@ def test_behaviour_logprobs_match_teacher_forcing_over_two_turns(engine, hf, pro
     """The learner's log_softmax(logits / T) before top-p truncation, in float32: single
     turn, then a second turn over context + sampled ids + observation ids."""
     model, tokenizer = hf
-    first = engine.sample([prompt] * 6, PARAMS, seed=11)
+    rows = [prompt] * 3  # each row a teacher-forced forward of SmolLM2 per turn
+    first = engine.sample(rows, PARAMS, seed=11)
     observation = tokenizer.encode("\n<information>Ada Quill founded it.</information>\n")
     contexts = [prompt + turn.token_ids + observation for turn in first]
     second = engine.sample(contexts, PARAMS, seed=12)
     worst = {"single": 0.0, "multi": 0.0}
-    for key, ctxs, turns in (("single", [prompt] * 6, first), ("multi", contexts, second)):
+    for key, ctxs, turns in (("single", rows, first), ("multi", contexts, second)):
         for context, turn in zip(ctxs, turns, strict=True):
             assert len(turn.token_ids) == len(turn.logprobs) > 0
             expected = _teacher_forced(model, context, turn.token_ids, T)
