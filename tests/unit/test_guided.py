@@ -250,6 +250,7 @@ def test_no_input_no_reply(tiny):
     assert guided_replies(*tiny, [], []) == []
 
 
+@pytest.mark.e2e  # the embedded policy, a second model in the run: the second test command
 @pytest.mark.slow
 def test_smollm2_replies_in_form():
     try:

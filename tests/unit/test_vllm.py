@@ -3,7 +3,8 @@
 Behaviour log-probs against a teacher-forced forward of the same weights, seeds, the
 prefix cache, weights loaded in place (against the transformers model on the same
 weights; against a fresh engine built from them in the second test command), refusals,
-and the generator's token bookkeeping with ``backend="vllm"``.
+and, in the second test command too, the generator's token bookkeeping with
+``backend="vllm"``.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ def test_contexts_longer_than_the_engine_are_refused(engine):
         engine.sample([[1] * 2048], PARAMS, seed=0)
 
 
+@pytest.mark.e2e  # two more engines (tiny-random): the second test command
 def test_generator_with_the_vllm_backend_keeps_its_token_bookkeeping():
     """Multi-turn rollouts through vLLM: sampled ids carry loss_mask 1 and the behaviour
     log-probs of a teacher-forced forward; observation ids are appended with mask 0;
