@@ -121,6 +121,14 @@ class RayHead:
                 counts[node_type] = int(n)
         return counts
 
+    def first_report(self, timeout: float = 60) -> dict[str, int]:
+        """The autoscaler's first non-empty report of active nodes (waiting up to
+        ``timeout`` s for it after `ray start`)."""
+        deadline = time.monotonic() + timeout
+        while not (nodes := self.active_nodes()) and time.monotonic() < deadline:
+            time.sleep(1)
+        return nodes
+
     def run_watching_nodes(self, command: list[str], log, *, timeout: float
                            ) -> tuple[int | None, dict[str, int]]:  # fmt: skip
         """Run ``command`` (a job submission) with its output in ``log``, noting the most
@@ -226,10 +234,7 @@ def test_the_readme_cluster_command_rehearsed_on_the_twin_which_scales_up_and_do
         tmp_path, f"--autoscaling-config={ROOT / 'cluster.local.yaml'}", fake_cluster=True
     )
     try:
-        deadline = time.monotonic() + 60
-        while not head.active_nodes() and time.monotonic() < deadline:
-            time.sleep(1)  # the autoscaler's first report
-        assert set(head.active_nodes()) == {"ray.head.default"}
+        assert set(head.first_report()) == {"ray.head.default"}
         command = [
             str(BIN / "ray"), "job", "submit", "--address", ADDRESS, "--",
             "python", str(ROOT / "pipelines" / "tspo.py"),
@@ -341,9 +346,7 @@ def test_a_node_hosting_a_generator_dies_mid_run(tmp_path):
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     try:
-        deadline = time.monotonic() + 60
-        while not head.active_nodes() and time.monotonic() < deadline:
-            time.sleep(1)
+        head.first_report()
         # --no-wait and polling: a job's log tail over the dashboard's websocket can drop
         # while nodes come and go, which would end `ray job submit` but not the job
         submitted = head.ray(
