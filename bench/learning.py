@@ -74,7 +74,7 @@ METHODS = {  # method -> (pipeline script, its run config class)
     "a2tgpo": ("a2tgpo.py", "A2TGPORun"),
 }
 BASELINE = "grpo"  # what every other method is compared with, question by question
-QUICK = [  # a smoke run of the machinery, in CI: nothing learns in one step
+QUICK = [  # a smoke run of the machinery (pytest -m bench): nothing learns in one step
     "model=tiny-random", "pipeline.steps=1", "pipeline.groups_per_step=2",
     "data.eval_questions=4", "data.world.num_entities=20", "generator.backend=transformers",
     "resources.generator_cpus=0.5", "resources.learner_cpus=0.5", "resources.eval_cpus=0.5",
