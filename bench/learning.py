@@ -42,9 +42,12 @@ the same settings and warm-start: a method against another, run in two studies).
 The runs go seed by seed (every method of seed 0, then of seed 1, ...), and each finished
 run is recorded in ``<runs-dir>/runs.jsonl`` as it ends, with its ``--set`` and a
 fingerprint of ``embedded.yaml``. Started again with the same ``--runs-dir`` and settings,
-the study reuses the recorded runs and redoes only the rest (a run cut off half-way starts
-over), so a study of hours survives a lost machine; a record made with other settings or
-from another ``embedded.yaml`` is refused, not mixed in.
+the study reuses the recorded runs and redoes only the rest, so a study of hours survives a
+lost machine; a record made with other settings or from another ``embedded.yaml`` is
+refused, not mixed in. A run saves a checkpoint after every step (only the newest is kept),
+and a run cut off half-way continues from it (``--resume``: its evaluation before training,
+metrics, data cursor and the chunks generated ahead of training come back; the record lists
+its starts); one cut off before its first checkpoint starts over.
 """
 
 from __future__ import annotations
@@ -365,11 +368,13 @@ def run_one(
     config: Path = EMBEDDED,
     composition: str | None = None,
 ) -> dict:
-    """One training run; what the study keeps of it. A folder left by a run that did not
-    finish (it is not in the record) is cleared first: its metrics.jsonl is appended to.
+    """One training run; what the study keeps of it. It saves a checkpoint after every
+    step, the newest kept. A folder left by a run that did not finish (it is not in the
+    record) is resumed from its newest whole checkpoint, or cleared when it holds none.
     ``composition``: the method is that composition of parts, trained by
     ``pipelines/compose.py``."""
     from ray_credit.estimators.compose import compose
+    from ray_credit.pipeline.checkpointing import checkpoints
     from ray_credit.pipeline.cli import run_config_class
     from ray_credit.pipeline.configs import load_config
     from ray_credit.pipeline.recipe import train
@@ -381,6 +386,8 @@ def run_one(
         "--pipeline.seed", str(seed), "--generator.seed", str(seed), "--learner.seed", str(seed),
         # one warm-start per seed (the seed picks the held-out split), shared by the methods
         "--warm_start.folder", str(runs_dir / f"warm_start-seed{seed}"),
+        # a study of hours outlives its machine: at most one step is lost to a cut
+        "--pipeline.checkpoint_every", "1", "--pipeline.keep_checkpoints", "1",
     ]  # fmt: skip
     for item in settings:
         key, value = item.split("=", 1)
@@ -391,13 +398,25 @@ def run_one(
         estimator = compose(composition)
     cfg = load_config(run_cls, estimator, argv, default_config=config)
     stale = Path(cfg.output_dir).resolve() / cfg.name  # where train writes
-    if stale.exists():
-        print(f"{method} seed {seed}: {stale} is left from a run that did not finish; redone")
+    saved = checkpoints(stale / "checkpoint") if (stale / "checkpoint").is_dir() else []
+    if saved:
+        step, folder = saved[-1]
+        print(f"{method} seed {seed}: {stale} is left from a run that did not finish; "
+              f"resumed from its checkpoint after step {step}", flush=True)  # fmt: skip
+        cfg = load_config(run_cls, estimator, [*argv, "--resume", str(folder)],
+                          default_config=config)  # fmt: skip
+    elif stale.exists():
+        print(f"{method} seed {seed}: {stale} is left from a run that did not finish before "
+              "its first checkpoint; redone", flush=True)  # fmt: skip
         shutil.rmtree(stale)
     start = time.perf_counter()
     train(cfg, estimator)
     kept = {"estimator": composition} if composition else {}
-    return {"seed": seed, "seconds": time.perf_counter() - start, **kept, **collect(stale, method)}
+    run = {"seed": seed, "seconds": time.perf_counter() - start, **kept, **collect(stale, method)}
+    starts = json.loads((stale / "summary.json").read_text()).get("starts", [])
+    if len(starts) > 1:  # "seconds" is then the last start's; rl_seconds sums every step
+        run["starts"] = [s.get("resumed_from") for s in starts]
+    return run
 
 
 def collect(folder: Path, method: str) -> dict:

@@ -132,6 +132,46 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     assert "the study names and places its runs" in capsys.readouterr().err
 
 
+def test_a_run_cut_off_continues_from_its_newest_checkpoint(tmp_path, monkeypatch, capsys):
+    """A study's runs save a checkpoint every step; an unfinished run's folder is resumed
+    from its newest whole checkpoint (the record lists the starts), and one without a
+    checkpoint is cleared and run afresh."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+
+    import ray_credit.pipeline.recipe as recipe
+
+    seen = []
+
+    def fake_train(cfg, estimator):
+        seen.append(cfg)
+        out = Path(cfg.output_dir) / cfg.name
+        out.mkdir(parents=True, exist_ok=True)
+        starts = [{"resumed_from": None}] + ([{"resumed_from": cfg.resume}] if cfg.resume else [])
+        (out / "summary.json").write_text(json.dumps({"starts": starts}))
+
+    monkeypatch.setattr(recipe, "train", fake_train)
+    monkeypatch.setattr(learning, "collect", lambda folder, method: {"em_after": 0.5})
+    runs = tmp_path / "runs"
+    cut = runs / "grpo-seed0" / "checkpoint"
+    for step in (1, 2):
+        (cut / f"step_00000{step}" / "learner").mkdir(parents=True)
+        (cut / f"step_00000{step}" / "pipeline.json").write_text(json.dumps({"step": step}))
+    (cut / "step_000003" / "learner").mkdir(parents=True)  # a save cut off: no pipeline.json
+    run = learning.run_one("grpo", 0, ["pipeline.steps=4"], runs)
+    assert seen[-1].resume == str(cut / "step_000002")
+    assert seen[-1].pipeline.checkpoint_every == 1 and seen[-1].pipeline.keep_checkpoints == 1
+    assert run["starts"] == [None, str(cut / "step_000002")]
+    assert "resumed from its checkpoint after step 2" in capsys.readouterr().out
+    early = runs / "tspo-seed0"
+    (early / "metrics.jsonl").parent.mkdir(parents=True)
+    (early / "metrics.jsonl").write_text("{}\n")  # cut off before its first checkpoint
+    run = learning.run_one("tspo", 0, ["pipeline.steps=4"], runs)
+    assert seen[-1].resume is None and "starts" not in run
+    assert not (early / "metrics.jsonl").exists()  # cleared, not appended to
+    assert "before its first checkpoint; redone" in capsys.readouterr().out
+
+
 def test_a_study_trains_compositions_of_its_own_on_a_config_of_its_own(tmp_path, monkeypatch,
                                                                       capsys):  # fmt: skip
     """--compose NAME=TEXT adds a method (recorded with its composition: the same name with
