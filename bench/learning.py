@@ -82,9 +82,6 @@ QUICK = [  # a smoke run of the machinery (pytest -m bench): nothing learns in o
     "data.eval_questions=4", "data.world.num_entities=20", "generator.backend=transformers",
     "resources.generator_cpus=0.5", "resources.learner_cpus=0.5", "resources.eval_cpus=0.5",
     "warm_start.questions=8", "warm_start.epochs=1",
-    # float32: on CPUs without bf16 instructions torch emulates bf16 autocast (a tiny-random
-    # update 3.5x as long, a SmolLM2 one 13x: docs/benchmarks.md)
-    "learner.autocast=none", "warm_start.autocast=none",
 ]  # fmt: skip
 
 

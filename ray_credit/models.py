@@ -64,8 +64,10 @@ _CHATML = (
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 DTYPES = get_args(Dtype)
 """The dtypes a model can be loaded in."""
-Autocast = Literal["bfloat16", "float16"]
-"""The dtypes ``torch.autocast`` may run a model's matmuls in (None: off)."""
+Autocast = Literal["auto", "bfloat16", "float16"]
+"""The dtypes ``torch.autocast`` may run a model's matmuls in (None: off); ``"auto"``:
+bfloat16 where the device runs it natively (a CUDA GPU with bf16, a CPU with AVX512-BF16
+or AMX), else off (``ray_credit.actors.learner.resolve_autocast``)."""
 AttnImplementation = Literal[
     "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"
 ]

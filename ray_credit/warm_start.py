@@ -79,8 +79,8 @@ class WarmStartConfig:
     micro_batch_tokens: int = 4096
     """Padded tokens per forward pass."""
     autocast: Autocast | None = None
-    """Mixed precision of the fine-tuning (as ``learner.autocast``: "bfloat16", "float16"
-    or None); the saved weights are float32 either way."""
+    """Mixed precision of the fine-tuning (as ``learner.autocast``: "auto", "bfloat16",
+    "float16" or None); the saved weights are float32 either way."""
     detours: float = 0.0
     """Share of the demonstrations with a turn to spare in which the expert, after the
     searches it needs, searches one more title (another question's supporting document)

@@ -156,8 +156,10 @@ class LearnerConfig:
     matmuls in that dtype under ``torch.autocast`` while weights, gradients and optimizer
     state stay in ``dtype`` (float32 master weights). None: off. On CPUs with bf16
     instructions (avx512_bf16, AMX) it is ~2x faster; on CPUs without them torch
-    emulates bf16 and an update takes ~13x as long (logged once). Log-probs then differ
-    from a float32 generator's by bf16 rounding, which shows in ``learner/ratio_*``."""
+    emulates bf16 and an update takes ~13x as long (logged once). ``"auto"``: bfloat16
+    where the device has it natively (those CPUs, CUDA GPUs with bf16), else off; the
+    choice is logged once per process. Log-probs then differ from a float32 generator's
+    by bf16 rounding, which shows in ``learner/ratio_*``."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of
     keeping them: about a third more compute, for activation memory that no longer grows
@@ -908,22 +910,61 @@ def _prompt_keys(input_ids, mask) -> np.ndarray:
 def check_autocast(dtype: str | None) -> None:
     """Raise ValueError unless ``dtype`` is an autocast setting :func:`autocast` takes."""
     if dtype is not None and dtype not in get_args(Autocast):
-        choices = " or ".join(map(repr, get_args(Autocast)))
-        raise ValueError(f"autocast must be None, {choices}, got {dtype!r}")
+        *most, last = map(repr, get_args(Autocast))
+        raise ValueError(f"autocast must be None, {', '.join(most)} or {last}, got {dtype!r}")
 
 
 def autocast(device: Any, dtype: str | None):
-    """``torch.autocast`` on ``device``'s type in ``dtype`` (None: a no-op context). On a
-    CPU without bfloat16 instructions, ``"bfloat16"`` logs once per process that torch
-    emulates it (:func:`cpu_has_native_bf16`)."""
+    """``torch.autocast`` on ``device``'s type in ``dtype`` (None: a no-op context;
+    ``"auto"``: :func:`resolve_autocast`'s choice). On a CPU without bfloat16
+    instructions, ``"bfloat16"`` logs once per process that torch emulates it
+    (:func:`cpu_has_native_bf16`)."""
     import torch
 
+    kind = torch.device(device).type
+    dtype = resolve_autocast(kind, dtype)
     if dtype is None:
         return _null()
-    kind = torch.device(device).type
     if kind == "cpu" and dtype == "bfloat16":
         _warn_emulated_bf16()
     return torch.autocast(kind, dtype=getattr(torch, dtype))
+
+
+def resolve_autocast(device: Any, dtype: str | None) -> str | None:
+    """The autocast dtype ``dtype`` means on ``device`` (a device or its type): itself,
+    except ``"auto"``: ``"bfloat16"`` on a CUDA GPU that supports it and on a CPU with
+    bfloat16 instructions (:func:`cpu_has_native_bf16`), where it is faster than float32,
+    else None (float32: on other CPUs torch emulates bf16, 13x as slow). The choice is
+    logged once per process and device type."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return _auto_autocast(torch.device(device).type)
+
+
+@functools.cache
+def _auto_autocast(kind: str) -> str | None:
+    import torch
+
+    if kind == "cuda":
+        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        where = "this GPU supports bfloat16" if native else "this GPU has no bfloat16"
+    elif kind == "cpu":
+        native = cpu_has_native_bf16() is True
+        where = (
+            "this CPU has bfloat16 instructions"
+            if native
+            else "this CPU has no bfloat16 instructions (no AVX512-BF16, no AMX), where "
+            "torch would emulate them"
+        )
+    else:
+        native, where = False, f"no bfloat16 autocast is chosen for {kind} devices"
+    chosen = "bfloat16" if native else None
+    logging.getLogger(__name__).info(
+        f"autocast 'auto': {'bfloat16' if native else 'off (float32)'} on {kind}: {where}"
+    )
+    return chosen
 
 
 def cpu_has_native_bf16() -> bool | None:

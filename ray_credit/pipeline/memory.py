@@ -140,7 +140,7 @@ def estimate(
             grads, adam = weights, 2 * weights  # AdamW's two moments, in the weights' dtype
             reference = weights if lr.kl_coef > 0 else 0.0
         tokens = lr.micro_batch_tokens
-        abytes = 2 if lr.autocast else pbytes
+        abytes = 2 if lr.autocast else pbytes  # 'auto': bf16 on GPUs that have it
         layer = shape.hidden * _LAYER_HIDDEN + shape.intermediate * _LAYER_INTERMEDIATE
         if lr.gradient_checkpointing:  # each block's input (the residual stream) and one block
             acts = tokens * (shape.hidden * shape.layers * pbytes + layer * abytes)

@@ -33,9 +33,6 @@ SMALL = [
     "--generator.backend", "transformers",
     # the warm-start has a test of its own (test_tspo_writes_its_outputs_and_resumes)
     "--warm_start.enabled", "false",
-    # float32: on a CPU without bf16 instructions torch emulates bf16 autocast, and a
-    # tiny-random update took 3.5x as long under it
-    "--learner.autocast", "none", "--warm_start.autocast", "none",
 ]  # fmt: skip
 
 

@@ -435,13 +435,13 @@ ENUMERATED = {
     "learner.kl_kind": "{k1,abs,k2,k3,kl,mse,low_var_kl,k1+,abs+,k2+,k3+,kl+,mse+,low_var_kl+}",
     "learner.off_policy": "{none,tis,decoupled}",
     "learner.dtype": "{float32,bfloat16,float16,auto}",
-    "learner.autocast": "{bfloat16,float16}|none",
+    "learner.autocast": "{auto,bfloat16,float16}|none",
     "learner.loss.agg_mode": "{token-mean,seq-mean-token-sum,seq-mean-token-mean,"
     "seq-mean-token-sum-norm}",
     "learner.loss.ratio_level": "{token,turn}",
     "pipeline.weight_sync": "{object_store,nccl,gloo}",
     "resources.learner_strategy": "{ddp,fsdp}",
-    "warm_start.autocast": "{bfloat16,float16}|none",
+    "warm_start.autocast": "{auto,bfloat16,float16}|none",
     "judge.backend": "{evidence,hf,openai}",
 }
 

@@ -3,6 +3,7 @@ off-policy corrections, non-finite gradients, schedules and checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from dataclasses import replace
 from functools import partial
@@ -487,29 +488,71 @@ def test_bfloat16_autocast_on_a_cpu_without_its_instructions_is_said_once(
 ):
     """torch emulates bfloat16 where the CPU has neither AVX512-BF16 nor AMX: an update
     took 13x as long as in float32 there, so the first autocast of a process says so."""
-    import logging
-
     from ray_credit.actors import learner as learner_module
 
     avx512_bf16, amx = probes
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     learner_module._warn_emulated_bf16.cache_clear()
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("ray_credit.actors.learner")
-    logger.addHandler(handler)
-    try:
+    with _learner_log() as records:
         for _ in range(2):
             with learner_module.autocast("cpu", "bfloat16"):
                 pass
         with learner_module.autocast("cpu", None):
             pass
-    finally:
-        logger.removeHandler(handler)
-        learner_module._warn_emulated_bf16.cache_clear()
+    learner_module._warn_emulated_bf16.cache_clear()
     assert len(records) == warned
     if warned:
         assert "no AVX512-BF16, no AMX" in records[0].getMessage()
         assert "Set autocast to null" in records[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("probes", "chosen"), [((False, False), None), ((True, False), "bfloat16"),
+                           ((False, True), "bfloat16")],
+)  # fmt: skip
+def test_auto_autocast_is_bfloat16_only_where_the_cpu_has_it_and_says_so(
+    monkeypatch, probes, chosen
+):
+    """``autocast: auto`` (the embedded default) runs bf16 on a CPU with AVX512-BF16 or
+    AMX and float32 on one without (where bf16 is emulated, 13x as slow); the choice is
+    logged once per process, and the emulation warning never fires for it."""
+    from ray_credit.actors import learner as learner_module
+
+    avx512_bf16, amx = probes
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    learner_module._auto_autocast.cache_clear()
+    learner_module._warn_emulated_bf16.cache_clear()
+    with _learner_log() as records:
+        assert learner_module.resolve_autocast("cpu", "auto") == chosen
+        assert learner_module.resolve_autocast(torch.device("cpu"), "auto") == chosen
+        assert learner_module.resolve_autocast("cpu", "float16") == "float16"
+        assert learner_module.resolve_autocast("cpu", None) is None
+        with learner_module.autocast("cpu", "auto"):
+            assert torch.is_autocast_enabled("cpu") == (chosen is not None)
+    learner_module._auto_autocast.cache_clear()
+    learner_module._warn_emulated_bf16.cache_clear()
+    said = [r.getMessage() for r in records]
+    assert len(said) == 1 and said[0].startswith("autocast 'auto': ")
+    assert ("off (float32)" in said[0]) == (chosen is None)
+    LearnerConfig(autocast="auto")  # a setting the config takes
+
+
+@contextlib.contextmanager
+def _learner_log():
+    """The learner module's log records (INFO and up) while the block runs."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("ray_credit.actors.learner")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

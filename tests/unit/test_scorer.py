@@ -129,7 +129,7 @@ def test_autocast_reads_the_same_beliefs_in_bf16():
         strict=True,
     ):
         assert b[-1] is None and b[:-1] == pytest.approx(a[:-1], abs=0.05)
-    with pytest.raises(ValueError, match="autocast must be None, 'bfloat16' or 'float16'"):
+    with pytest.raises(ValueError, match="autocast must be None, 'auto', 'bfloat16' or 'float16'"):
         InfoGainScorer((model, tokenizer), autocast="bf16")
 
 
