@@ -71,8 +71,9 @@ class InfoGainScorer:
             keep it current with :meth:`update_weights`.
         mode: ``"prob_diff"`` or ``"log_prob_diff"``.
         max_batch_tokens: padded tokens per forward pass (rows x longest row).
-        autocast: None, ``"bfloat16"`` or ``"float16"``: run the forward passes under
-            ``torch.autocast`` in that dtype (pipelines pass ``learner.autocast``: the
+        autocast: None, ``"auto"``, ``"bfloat16"`` or ``"float16"``: run the forward passes
+            under ``torch.autocast`` in that dtype (``"auto"``: bf16 where the device has
+            it natively, else none; pipelines pass ``learner.autocast``: the
             scorer reads the policy's beliefs with the numerics the learner trains with).
     """
 
