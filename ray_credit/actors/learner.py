@@ -951,13 +951,14 @@ def _auto_autocast(kind: str) -> str | None:
         native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         where = "this GPU supports bfloat16" if native else "this GPU has no bfloat16"
     elif kind == "cpu":
-        native = cpu_has_native_bf16() is True
-        where = (
-            "this CPU has bfloat16 instructions"
-            if native
-            else "this CPU has no bfloat16 instructions (no AVX512-BF16, no AMX), where "
-            "torch would emulate them"
-        )
+        found = cpu_has_native_bf16()
+        native = found is True
+        where = {
+            True: "this CPU has bfloat16 instructions",
+            False: "this CPU has no bfloat16 instructions (no AVX512-BF16, no AMX), where "
+            "torch would emulate them",
+            None: "this torch cannot tell whether this CPU has bfloat16 instructions",
+        }[found]
     else:
         native, where = False, f"no bfloat16 autocast is chosen for {kind} devices"
     chosen = "bfloat16" if native else None
