@@ -47,7 +47,9 @@ lost machine; a record made with other settings or from another ``embedded.yaml`
 refused, not mixed in. A run saves a checkpoint after every step (only the newest is kept),
 and a run cut off half-way continues from it (``--resume``: its evaluation before training,
 metrics, data cursor and the chunks generated ahead of training come back; the record lists
-its starts); one cut off before its first checkpoint starts over.
+its starts, and its wall time, cut off, is unknown: the table's s/run reads n/a where a
+run was resumed, its RL s/run sums every step); one cut off before its first checkpoint
+starts over.
 """
 
 from __future__ import annotations
@@ -411,8 +413,10 @@ def run_one(
     kept = {"estimator": composition} if composition else {}
     run = {"seed": seed, "seconds": time.perf_counter() - start, **kept, **collect(stale, method)}
     starts = json.loads((stale / "summary.json").read_text()).get("starts", [])
-    if len(starts) > 1:  # "seconds" is then the last start's; rl_seconds sums every step
+    if len(starts) > 1:  # the wall time of the starts cut off is not known: rl_seconds,
+        # which sums every step's, still is
         run["starts"] = [s.get("resumed_from") for s in starts]
+        run["seconds"], run["last_start_seconds"] = None, run["seconds"]
     return run
 
 
@@ -524,7 +528,8 @@ def aggregate(runs: list[dict]) -> dict:
         if all(s in (r.get("searches_after_by_source") or {}) for r in runs)
     }
     out["em_change_pooled"] = changes
-    out["seconds_per_run"] = mean(r["seconds"] for r in runs)
+    walls = [r["seconds"] for r in runs if r.get("seconds") is not None]  # None: resumed
+    out["seconds_per_run"] = mean(walls) if walls and len(walls) == len(runs) else None
     # the training loop alone: a seed's first method also makes the seed's warm-start and
     # its evaluation before training, which the others read back
     loops = [r["rl_seconds"] for r in runs if r.get("rl_seconds") is not None]
@@ -649,7 +654,7 @@ def table(report: dict) -> str:
             _fmt(agg["groups_all_wrong"], "{:.2f}"),
             _fmt(agg["groups_zero_advantage"], "{:.2f}"),
             " / ".join(_fmt(searches.get(s), "{:.2f}") for s in sources),
-            f"{agg['seconds_per_run']:.0f}",
+            _fmt(agg["seconds_per_run"], "{:.0f}"),
             _fmt(agg.get("rl_seconds_per_run"), "{:.0f}"),
         ]
         rows.append(row)

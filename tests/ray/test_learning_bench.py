@@ -162,6 +162,7 @@ def test_a_run_cut_off_continues_from_its_newest_checkpoint(tmp_path, monkeypatc
     assert seen[-1].resume == str(cut / "step_000002")
     assert seen[-1].pipeline.checkpoint_every == 1 and seen[-1].pipeline.keep_checkpoints == 1
     assert run["starts"] == [None, str(cut / "step_000002")]
+    assert run["seconds"] is None and run["last_start_seconds"] >= 0  # the cut start's: unknown
     assert "resumed from its checkpoint after step 2" in capsys.readouterr().out
     early = runs / "tspo-seed0"
     (early / "metrics.jsonl").parent.mkdir(parents=True)
