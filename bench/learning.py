@@ -395,19 +395,18 @@ def run_one(
     if composition:
         argv += ["--estimator", composition]
         estimator = compose(composition)
-    cfg = load_config(run_cls, estimator, argv, default_config=config)
-    stale = Path(cfg.output_dir).resolve() / cfg.name  # where train writes
+    stale = runs_dir.resolve() / run_name(method, seed)  # where train writes (--set cannot move it)
     saved = checkpoints(stale / "checkpoint") if (stale / "checkpoint").is_dir() else []
     if saved:
         step, folder = saved[-1]
         print(f"{method} seed {seed}: {stale} is left from a run that did not finish; "
               f"resumed from its checkpoint after step {step}", flush=True)  # fmt: skip
-        cfg = load_config(run_cls, estimator, [*argv, "--resume", str(folder)],
-                          default_config=config)  # fmt: skip
+        argv += ["--resume", str(folder)]
     elif stale.exists():
         print(f"{method} seed {seed}: {stale} is left from a run that did not finish before "
               "its first checkpoint; redone", flush=True)  # fmt: skip
         shutil.rmtree(stale)
+    cfg = load_config(run_cls, estimator, argv, default_config=config)
     start = time.perf_counter()
     train(cfg, estimator)
     kept = {"estimator": composition} if composition else {}
