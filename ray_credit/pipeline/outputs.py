@@ -350,8 +350,10 @@ def kept_evaluations(previous: dict, run_config: dict) -> dict:
     data, the generator, retriever, evaluation and warm-start settings): its paired change
     is then measured from the run's true start, not from where it was resumed."""
     config = previous.get("config", {})
-    if any(config.get(key) != run_config.get(key) for key in _EVALUATION_SETTINGS):
-        changed = [k for k in _EVALUATION_SETTINGS if config.get(k) != run_config.get(k)]
+    # compared as summary.json holds them: a tuple read back from it is a list
+    now = json.loads(json.dumps(run_config, default=str))
+    changed = [key for key in _EVALUATION_SETTINGS if config.get(key) != now.get(key)]
+    if changed:
         log.info(f"note: the resumed run changes {', '.join(changed)}: its evaluation before "
               "training is not the first run's, and is made again")  # fmt: skip
         return {}

@@ -85,6 +85,10 @@ def test_evaluations_are_kept_only_when_what_decides_them_is_unchanged(capsys):
     assert kept_evaluations(previous, more_steps) == {
         "eval_before": {"em": 0.5}, "eval_base": {"em": 0.0}
     }  # fmt: skip
+    # as the run's settings are (a tuple), against summary.json's (a list): unchanged
+    hops = {**config, "warm_start": {"hops": [1, 2]}}
+    assert kept_evaluations({**previous, "config": hops},
+                            {**hops, "warm_start": {"hops": (1, 2)}})["eval_before"] == {"em": 0.5}  # fmt: skip
     other_data = {**config, "data": {"eval_questions": 8}}
     assert kept_evaluations(previous, other_data) == {}
     assert "changes data" in capsys.readouterr().out
