@@ -425,10 +425,16 @@ def collect(folder: Path, method: str) -> dict:
     paired changes, searches per trajectory, and per step the training reward, the shares
     of all-wrong and zero-advantage groups and the estimator's own counters."""
     summary = json.loads((folder / "summary.json").read_text())
+    before, after, change = summary["eval_before"], summary["eval_after"], summary["eval_change"]
+    if before.get("step"):
+        raise SystemExit(
+            f"{folder}: its evaluation before training was made at step {before['step']}, where "
+            "it was resumed with other settings, so its change is not from the run's start; "
+            "remove the folder to run it again"
+        )
     from ray_credit.pipeline.outputs import read_metrics
 
     rows = read_metrics(folder / "metrics.jsonl")
-    before, after, change = summary["eval_before"], summary["eval_after"], summary["eval_change"]
     from ray_credit.estimators.parts import PARTS
 
     prefixes = (f"{summary['estimator']}/", *(f"{part}/" for part in PARTS))  # a composition's

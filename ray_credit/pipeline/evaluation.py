@@ -356,7 +356,10 @@ def report_change(summary: dict, logger: Any, step: int) -> None:
     warm-start's own, when the base policy was evaluated): kept, printed and logged."""
     before, after = summary["eval_before"], summary["eval_after"]
     summary["eval_change"] = eval_change(before, after)
-    log.info(describe_change(before, after, summary["eval_change"]))
+    title = "held-out EM, paired on the same questions"
+    if before.get("step"):  # a resume with other settings evaluated where it resumed
+        title += f", from step {before['step']} (where the run was resumed), not its start"
+    log.info(describe_change(before, after, summary["eval_change"], title))
     if "eval_base" in summary:
         summary["eval_change_warm_start"] = eval_change(summary["eval_base"], before)
         warm = describe_change(summary["eval_base"], before, summary["eval_change_warm_start"])

@@ -249,7 +249,8 @@ def _evaluate_before(
 ) -> None:
     """The evaluation before training, on the learner's weights (by ``generators``, the
     training ones, or else by one of its own): a resumed run keeps its first start's when
-    what decides it is unchanged, else evaluates the resumed policy."""
+    what decides it is unchanged, else evaluates the resumed policy (and says at which
+    step, ``eval_before["step"]``)."""
     if not cfg.eval.enabled:
         return
     summary = outputs.summary
@@ -262,4 +263,6 @@ def _evaluate_before(
         return
     when = "before training" if resumed_step is None else f"at step {resumed_step}"
     summary["eval_before"] = evaluate_policy(cfg, retriever, learner, eval_q, when, generators)
+    if resumed_step is not None:  # not the run's start: the change is measured from here
+        summary["eval_before"]["step"] = resumed_step
     outputs.logger.log(eval_metrics(summary["eval_before"]), step=resumed_step or 0)

@@ -173,6 +173,22 @@ def test_a_run_cut_off_continues_from_its_newest_checkpoint(tmp_path, monkeypatc
     assert "before its first checkpoint; redone" in capsys.readouterr().out
 
 
+def test_a_run_whose_change_is_not_from_its_start_is_refused(tmp_path):
+    """A run resumed with other settings measured its change from where it resumed: the
+    study names the folder instead of counting that change as the run's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+
+    run = tmp_path / "grpo-seed0"
+    run.mkdir()
+    evaluation = {"em": 0.5, "em_by_source": {"nq": 0.5}}
+    summary = {"estimator": "grpo", "eval_before": {**evaluation, "step": 7},
+               "eval_after": evaluation, "eval_change": {}}  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit, match="made at step 7, where it was resumed"):
+        learning.collect(run, "grpo")
+
+
 def test_a_study_trains_compositions_of_its_own_on_a_config_of_its_own(tmp_path, monkeypatch,
                                                                       capsys):  # fmt: skip
     """--compose NAME=TEXT adds a method (recorded with its composition: the same name with

@@ -189,3 +189,25 @@ def test_a_storage_path_that_cannot_be_written_is_refused_before_ray(tmp_path):
     assert str(run_storage(cls(name="mine"), tmp_path / "out")) == str(tmp_path / "out")
     with pytest.raises(ValueError, match="storage_path must be a path or a URI"):
         cls(storage_path=" ")
+
+
+def test_an_evaluation_made_where_a_run_resumed_says_at_which_step(monkeypatch, tmp_path, capsys):
+    """A resume that cannot keep its first start's evaluation evaluates the resumed policy
+    and marks it with the step, which the paired change then names."""
+    import ray_credit.pipeline.recipe as recipe
+    from ray_credit.pipeline.evaluation import report_change
+
+    def evaluation(em):
+        return {"em": em, "correct": {"0": em}, "source": {"0": "nq"}, "em_by_source": {"nq": em}}
+
+    monkeypatch.setattr(recipe, "evaluate_policy", lambda *a: evaluation(1.0))
+    logged = []
+    logger = SimpleNamespace(log=lambda metrics, step: logged.append(step))
+    outputs = SimpleNamespace(summary={}, logger=logger, out=tmp_path)
+    cfg = SimpleNamespace(eval=SimpleNamespace(enabled=True))
+    recipe._evaluate_before(cfg, None, None, [{}], outputs, 7, ())
+    before = outputs.summary["eval_before"]
+    assert before["step"] == 7 and logged == [7]
+    outputs.summary["eval_after"] = evaluation(0.0)
+    report_change(outputs.summary, logger, 10)
+    assert "from step 7 (where the run was resumed), not its start" in capsys.readouterr().out
