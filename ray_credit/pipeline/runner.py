@@ -81,6 +81,7 @@ chunks that were in flight, so no group is lost or trained twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -780,6 +781,10 @@ class Pipeline:
         try:
             chunk.report = ray.get(chunk.report_ref)
         except ray.exceptions.RayTaskError as err:
+            # the task's other return holds the same error, handled here: read, so that
+            # Ray does not log it as never handled
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(chunk.staged)
             if isinstance(err.cause, ray.exceptions.ObjectLostError):
                 # the batch went with its node (the generator's): generate it again
                 self._redo_chunk(chunk, "pipeline/chunks_lost")
@@ -935,7 +940,8 @@ class Pipeline:
         """Bring every weight target to the learner's policy version before the first chunk.
 
         Fresh actors hold the base weights as version 0: a resumed learner's weights are
-        published to them. Actors that served an earlier run on this learner (a script that
+        published to them and waited for (the chunks the checkpoint buffered are scored at
+        once). Actors that served an earlier run on this learner (a script that
         trains in phases on the same actors) hold its version already: the run goes on
         with them, and one of them found back on older weights is sent the learner's.
         Actors ahead of the learner served another learner: refused, by name, since
@@ -955,6 +961,9 @@ class Pipeline:
         behind = [i for i, v in enumerate(versions) if v < self.version]
         if len(behind) == len(targets):  # a resumed learner's weights, to fresh actors
             self._publish()
+            # in place before the first chunk: the chunks the checkpoint buffered, sampled
+            # with these weights, go to the scorer's stage at once
+            self.publisher.wait()
             return
         if self.version == 0:  # fresh actors, a fresh learner
             return

@@ -378,6 +378,48 @@ def test_a_scorer_killed_mid_run_comes_back_on_current_weights(ray_cluster, worl
     learner.shutdown()
 
 
+@pytest.mark.e2e  # a run cut off and resumed: the second test command
+def test_a_resumed_run_scores_its_buffered_chunks_on_the_resumed_weights(
+    ray_cluster, world, retriever, tmp_path
+):
+    """IGPO resumed with a fresh scorer: the chunks its checkpoint buffered (sampled with
+    the saved weights) are scored at once, so the resumed weights reach every actor before
+    the first chunk; no stage fails on a scorer still on the base weights."""
+    from ray_credit.actors.scorer import make_scorer_actor
+    from ray_credit.pipeline import actor_stage
+
+    config = PipelineConfig(
+        steps=3, groups_per_step=4, chunk_groups=2, max_staleness=1, checkpoint_every=1,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )  # fmt: skip
+
+    def run(steps, resume_from=None):
+        generators, learner = _parts(retriever, n_generators=1, resume_from=resume_from)
+        scorer = make_scorer_actor("tiny-random", num_cpus=0.25)
+        stages = [actor_stage(scorer.score, name="info_gain"), estimator_stage("igpo")]
+        pipeline = Pipeline(
+            generators, learner, world.questions, stages, replace(config, steps=steps),
+            weight_targets=[scorer], resume_from=resume_from,
+        )  # fmt: skip
+        if resume_from is not None:  # the publication is in place, not in flight
+            assert pipeline.publisher.pending_refs() == []
+            assert ray_cluster.get(scorer.get_policy_version.remote()) == 2
+        history = pipeline.run()
+        for actor in [*generators, scorer]:
+            ray_cluster.kill(actor)
+        learner.shutdown()
+        return pipeline, history
+
+    run(3)  # cut off after step 2, as far as the resume knows: it starts from that save
+    cut = tmp_path / "ckpt" / "step_000002"
+    state = json.loads((cut / "pipeline.json").read_text())
+    assert state["step"] == 2 and state["buffered"]  # chunks sampled ahead, to score
+    second, history = run(3, resume_from=cut)
+    assert second.step == 3 and second.trained_groups == list(range(12))
+    assert history[-1]["pipeline/weight_target_failures"] == 0
+    assert history[-1]["pipeline/stages_redone"] == 0
+
+
 @pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_generator_killed_by_the_memory_monitor_mid_call_is_recovered(
     ray_cluster, world, retriever, monkeypatch
