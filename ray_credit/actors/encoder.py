@@ -18,7 +18,7 @@ import difflib
 import importlib.util
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ __all__ = [
     "Encoder",
     "EncoderConfig",
     "EncoderPreset",
+    "canonical_encoder_name",
     "encoder_dim",
     "resolve_encoder_path",
 ]
@@ -61,6 +62,13 @@ ENCODER_PRESETS: dict[str, EncoderPreset] = {
     "bge-base-en-v1.5": EncoderPreset("BAAI/bge-base-en-v1.5", _BGE_QUERY, "", "cls"),
     "bge-large-en-v1.5": EncoderPreset("BAAI/bge-large-en-v1.5", _BGE_QUERY, "", "cls"),
 }
+
+
+def canonical_encoder_name(name: str) -> str:
+    """``name`` spelled one way: a preset's hub id by the preset's name
+    (``intfloat/e5-base-v2`` -> ``e5-base-v2``), anything else unchanged; both spellings
+    load the same model, so an index built under one serves the other."""
+    return next((key for key, p in ENCODER_PRESETS.items() if p.model == name), name)
 
 
 def _close_presets(name: str) -> list[str]:
@@ -142,6 +150,21 @@ class EncoderConfig:
     def preset(self) -> EncoderPreset | None:
         """The preset ``name`` resolves to (see :data:`ENCODER_PRESETS`), or None."""
         return _preset(self.name)
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that decide the embeddings, spelled one way: the name by
+        :func:`canonical_encoder_name`, a prefix equal to the preset's as None (which means
+        the preset's), the device and batch size left out. Two configs with one identity
+        embed alike (an index cache is keyed by it)."""
+        settings = asdict(self)
+        for serving in ("device", "batch_size"):
+            settings.pop(serving)
+        settings["name"] = canonical_encoder_name(self.name)
+        preset = self.preset
+        for key in ("query_prefix", "passage_prefix"):
+            if preset is not None and settings[key] == getattr(preset, key):
+                settings[key] = None
+        return settings
 
     @property
     def model(self) -> str:

@@ -105,7 +105,8 @@ def index_identity(
 ) -> dict[str, Any]:
     """What an index folder's content depends on, without reading the corpus: a corpus
     file's stamp (path, size, mtime) or an in-memory corpus's fingerprint; the encoder's
-    settings (device and batch size aside) and a stamp of a local model folder; the index
+    settings as :meth:`~ray_credit.actors.encoder.EncoderConfig.identity` spells them and a
+    stamp of a local model folder; the index
     settings; an imported index file's stamp."""
     from ray_credit.actors.encoder import resolve_encoder_path
 
@@ -113,13 +114,10 @@ def index_identity(
         corpus_id: Any = source_stamp(corpus)
     else:
         corpus_id = Corpus.coerce(corpus).fingerprint
-    settings = asdict(encoder)
-    for serving in ("device", "batch_size"):
-        settings.pop(serving)
     return {
         "format_version": FORMAT_VERSION,
         "corpus": corpus_id,
-        "encoder": settings,
+        "encoder": encoder.identity(),
         "model_files": _model_stamp(resolve_encoder_path(encoder.name)),
         "index": index.manifest(),
         "index_file": source_stamp(index_file) if index_file else None,

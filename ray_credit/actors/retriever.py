@@ -56,6 +56,7 @@ from ray_credit.actors.encoder import (
     Encoder,
     EncoderConfig,
     EncoderPreset,
+    canonical_encoder_name,
     resolve_encoder_path,
 )
 from ray_credit.actors.index_build import ensure_index, index_identity
@@ -112,7 +113,8 @@ def index_cache_folder(
     identity = index_identity(corpus, encoder, config, index_file and str(index_file))
     blob = json.dumps(identity, sort_keys=True).encode()
     key = hashlib.blake2b(blob, digest_size=10).hexdigest()
-    readable = "".join(c if c.isalnum() or c in "._-" else "_" for c in encoder.name)
+    name = identity["encoder"]["name"]  # a preset by its name, however it was given
+    readable = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
     if isinstance(corpus, (str, os.PathLike)):
         what = Path(corpus).name.split(".")[0][:30]
     else:
@@ -167,7 +169,9 @@ class Retriever:
                 f"{index.manifest['corpus_fingerprint']}, not {corpus.fingerprint}); build "
                 "the index of this corpus"
             )
-        recorded, want = index.manifest["encoder"], encoder.manifest()
+        recorded, want = dict(index.manifest["encoder"]), encoder.manifest()
+        for side in (recorded, want):  # a preset named by its name or by its hub id
+            side["name"] = canonical_encoder_name(str(side.get("name")))
         differ = sorted(k for k in want if recorded.get(k) != want[k])
         if differ:
             raise InputError(

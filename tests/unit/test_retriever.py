@@ -43,6 +43,7 @@ from ray_credit.actors.retriever import (  # noqa: E402
     IndexConfig,
     QueryBatcher,
     Retriever,
+    canonical_encoder_name,
     index_cache_folder,
     resolve_encoder_path,
 )
@@ -472,6 +473,36 @@ def test_load_refuses_another_corpus_or_encoder(tmp_path, corpus):
         Retriever.create(CORPUS_DOCS, encoder=e5_like, index_folder=folder)
     with pytest.raises(FileNotFoundError, match="holds no whole index"):
         DenseIndex.load(tmp_path / "empty")
+
+
+def test_a_presets_name_and_its_hub_id_share_one_index(tmp_path, monkeypatch, corpus):
+    """'e5-base-v2' and 'intfloat/e5-base-v2' (with the preset's prefixes spelled out) load
+    one model and embed alike: one cache folder, and an index recorded under either name
+    loads under the other. Another prefix is another index."""
+    import ray_credit.actors.retriever as retriever_module
+
+    by_name = EncoderConfig(name="e5-base-v2")
+    by_id = EncoderConfig(name="intfloat/e5-base-v2", query_prefix="query: ",
+                          passage_prefix="passage: ", batch_size=8)  # fmt: skip
+    assert by_name.identity() == by_id.identity()
+    assert index_cache_folder(corpus, by_name, "flat") == index_cache_folder(corpus, by_id, "flat")
+    no_prefix = EncoderConfig(name="e5-base-v2", query_prefix="")
+    assert index_cache_folder(corpus, no_prefix, "flat") != index_cache_folder(
+        corpus, by_name, "flat"
+    )
+    assert canonical_encoder_name("/models/e5-base-v2") == "/models/e5-base-v2"  # a folder: its own
+
+    folder = tmp_path / "idx"  # an index recorded under another spelling of the same model
+    Retriever.create(CORPUS_DOCS, index_folder=folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["encoder"]["name"] = "hub/all-MiniLM-L6-v2"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    spellings = {"hub/all-MiniLM-L6-v2": "minilm"}
+    monkeypatch.setattr(retriever_module, "canonical_encoder_name", lambda n: spellings.get(n, n))
+    assert Retriever.create(CORPUS_DOCS, index_folder=folder).search(["Seine"], 1)
+    monkeypatch.setattr(retriever_module, "canonical_encoder_name", lambda n: n)
+    with pytest.raises(InputError, match="another encoder.*name"):
+        Retriever.create(CORPUS_DOCS, index_folder=folder)
 
 
 def test_a_damaged_index_file_names_the_folder_and_the_fix(tmp_path):
