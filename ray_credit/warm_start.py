@@ -431,7 +431,7 @@ def warm_start(
     if made_with["hops"] is None:  # the fingerprint of a warm-start made before the setting
         del made_with["hops"]
     else:
-        made_with["hops"] = list(made_with["hops"])
+        made_with["hops"] = sorted(set(made_with["hops"]))  # a set of hop counts: [2, 1] is [1, 2]
     protocol = {k: getattr(gen, k) for k in _PROTOCOL_FIELDS}
     settings = {"model": model, "warm_start": made_with, "generator": protocol,
                 "questions": [q["question"] for q in questions],

@@ -197,6 +197,14 @@ def test_warm_start_trains_saves_a_loadable_policy_and_is_reused(tmp_path):
                    topk, cfg, str(folder))  # fmt: skip
     with pytest.raises(ValueError, match="other settings"):
         warm_start("tiny-random", [ONE_HOP], TITLES, TitleRetriever(), GEN, cfg, str(folder))
+    # hops is a set of hop counts: another order of it is the same warm start
+    hopped = [{**ONE_HOP, "hops": 1}, {**TWO_HOP, "hops": 2}]
+    by_hops = WarmStartConfig(enabled=True, epochs=1, batch_size=2, hops=(1, 2))
+    made = warm_start("tiny-random", hopped, TITLES, TitleRetriever(), GEN, by_hops,
+                      str(tmp_path / "hops"))  # fmt: skip
+    again = WarmStartConfig(enabled=True, epochs=1, batch_size=2, hops=(2, 1, 1))
+    assert warm_start("tiny-random", hopped, TITLES, TitleRetriever(), GEN, again,
+                      str(tmp_path / "hops"))["fingerprint"] == made["fingerprint"]  # fmt: skip
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("a user's file")
     with pytest.raises(ValueError, match="holds no warm start"):
