@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -330,6 +331,9 @@ def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source
             f"got {_kind(source)}; leave it out to use the file name {default_source!r}"
         )
     hops = row.get("hops")
+    if isinstance(hops, float) and (math.isnan(hops) or hops.is_integer()):
+        # a table's integer column with gaps (pandas): 2.0 is 2 and NaN is no count
+        hops = None if math.isnan(hops) else int(hops)
     if hops is not None and (isinstance(hops, bool) or not isinstance(hops, int) or hops < 1):
         raise DataFormatError(
             f"{where}: 'hops' must be a positive int (how many documents the answer needs), "

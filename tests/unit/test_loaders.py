@@ -270,6 +270,7 @@ def test_qa_file_errors(tmp_path):
         ({"hops": "two"}, r"'hops' must be a positive int .*got 'two' \(str\)"),
         ({"hops": 0}, r"'hops' must be a positive int .*got 0 \(int\)"),
         ({"hops": True}, r"'hops' must be a positive int .*got True \(bool\)"),
+        ({"hops": 1.5}, r"'hops' must be a positive int .*got 1\.5 \(float\)"),
     ],
 )
 def test_qa_fields_of_the_wrong_type_name_file_line_and_field(tmp_path, row, message):
@@ -279,6 +280,23 @@ def test_qa_fields_of_the_wrong_type_name_file_line_and_field(tmp_path, row, mes
     path = _jsonl(tmp_path / "set.jsonl", [good, {**good, **row}])
     with pytest.raises(DataFormatError, match=r"set\.jsonl:2: " + message):
         load_qa(path)
+
+
+def test_hop_counts_written_by_pandas_with_gaps_are_counts(tmp_path):
+    """A table's int column with a missing value is float64 (pandas): 2.0 is 2 hops and
+    NaN no count, not an error."""
+    import pyarrow as pa
+
+    path = tmp_path / "set.parquet"
+    table = pa.table(
+        {
+            "question": ["a?", "b?"],
+            "golden_answers": [["x"], ["y"]],
+            "hops": pa.array([2.0, float("nan")]),
+        }
+    )  # as pandas writes [2, None]
+    pq.write_table(table, path)
+    assert [q["hops"] for q in load_qa(path)] == [2, None]
 
 
 def test_qa_duplicate_ids_name_both_rows(tmp_path):
