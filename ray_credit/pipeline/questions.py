@@ -72,11 +72,7 @@ def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: 
     if not plan.question_signals:
         return questions
     (signal,) = plan.question_signals
-    known: dict[str, list[str]] = {}
-    if cache.is_file():
-        for line in cache.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            known[row["question"]] = row["reference_plan"]
+    known = _cached_plans(cache)
     todo = [q for q in questions if not q.get("reference_plan") and q["question"] not in known]
     if todo:
         t0 = time.perf_counter()
@@ -103,3 +99,31 @@ def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: 
             "judge/no_evidence",
         )
     return out_q
+
+
+def _cached_plans(cache: Path) -> dict[str, list[str]]:
+    """The reference plans kept in ``cache`` by question. A last line cut off by a run
+    killed while writing it is removed (its plan is made again), so that the next line
+    appended starts on a line of its own; any other unreadable line is refused, named."""
+    from ray_credit.config import InputError
+
+    if not cache.is_file():
+        return {}
+    text = cache.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        kept, newline, cut = text.rpartition("\n")
+        log.info(f"note: {cache}'s last line was cut off ({len(cut)} characters, a run killed "
+                 "while writing it): removed, its plan is made again")  # fmt: skip
+        text = kept + newline
+        cache.write_text(text, encoding="utf-8")
+    known: dict[str, list[str]] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            row = json.loads(line)
+            known[row["question"]] = row["reference_plan"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InputError(
+                f"{cache}:{number}: not a reference plan ({line[:80]!r}); delete the file "
+                "to have the judge make the plans again"
+            ) from None
+    return known

@@ -211,3 +211,29 @@ def test_an_evaluation_made_where_a_run_resumed_says_at_which_step(monkeypatch, 
     outputs.summary["eval_after"] = evaluation(0.0)
     report_change(outputs.summary, logger, 10)
     assert "from step 7 (where the run was resumed), not its start" in capsys.readouterr().out
+
+
+def test_reference_plans_cut_off_while_written_are_made_again(tmp_path, capsys):
+    """A run killed while appending a reference plan leaves half a line: the next start
+    removes it and asks the judge for that question's plan again, and its line starts on a
+    line of its own. Another unreadable line is refused with the file and line."""
+    from ray_credit.pipeline.questions import with_reference_plans
+
+    asked = []
+
+    class Judges:
+        def judge(self, signal, questions):
+            asked.extend(q["question"] for q in questions)
+            return [{"reference_plan": [f"find {q['question']}"]} for q in questions]
+
+    plan = SimpleNamespace(question_signals=("reference_plan",))
+    questions = [{"question": "a?"}, {"question": "b?"}]
+    cache = tmp_path / "reference_plans.jsonl"
+    cache.write_text(json.dumps({"question": "a?", "reference_plan": ["find a?"]}) + '\n{"quest')
+    out = with_reference_plans(plan, Judges(), questions, cache)
+    assert asked == ["b?"] and [q["reference_plan"] for q in out] == [["find a?"], ["find b?"]]
+    assert "last line was cut off (7 characters" in capsys.readouterr().out
+    assert [json.loads(line)["question"] for line in cache.read_text().splitlines()] == ["a?", "b?"]
+    cache.write_text("not json\n")
+    with pytest.raises(InputError, match=r"reference_plans\.jsonl:1: not a reference plan"):
+        with_reference_plans(plan, Judges(), questions, cache)
