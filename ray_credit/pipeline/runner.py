@@ -962,8 +962,9 @@ class Pipeline:
         if len(behind) == len(targets):  # a resumed learner's weights, to fresh actors
             self._publish()
             # in place before the first chunk: the chunks the checkpoint buffered, sampled
-            # with these weights, go to the scorer's stage at once
-            self.publisher.wait()
+            # with these weights, go to the scorer's stage at once (a generator that died
+            # meanwhile is recovered, as during the run)
+            self._wait_publication()
             return
         if self.version == 0:  # fresh actors, a fresh learner
             return

@@ -403,7 +403,6 @@ def test_a_resumed_run_scores_its_buffered_chunks_on_the_resumed_weights(
         )  # fmt: skip
         if resume_from is not None:  # the publication is in place, not in flight
             assert pipeline.publisher.pending_refs() == []
-            assert ray_cluster.get(scorer.get_policy_version.remote()) == 2
         history = pipeline.run()
         for actor in [*generators, scorer]:
             ray_cluster.kill(actor)
