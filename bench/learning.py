@@ -66,6 +66,7 @@ import tempfile
 import time
 from pathlib import Path
 from statistics import mean, stdev
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -407,6 +408,8 @@ def run_one(
               "its first checkpoint; redone", flush=True)  # fmt: skip
         shutil.rmtree(stale)
     cfg = load_config(run_cls, estimator, argv, default_config=config)
+    if saved:
+        _check_same_start(stale, cfg)
     start = time.perf_counter()
     train(cfg, estimator)
     kept = {"estimator": composition} if composition else {}
@@ -419,6 +422,25 @@ def run_one(
     return run
 
 
+def _check_same_start(folder: Path, cfg: Any) -> None:
+    """Refuse, before it trains, to resume a run whose change would not be measured from
+    its start: one whose settings that decide its evaluations differ from its first start's
+    (the resume would evaluate the resumed policy instead), or one resumed so before."""
+    from dataclasses import asdict
+
+    from ray_credit.pipeline.outputs import kept_evaluations, previous_summary
+
+    previous = previous_summary(folder)
+    before = previous.get("eval_before", {})
+    if before.get("step") or "eval_before" not in kept_evaluations(previous, asdict(cfg)):
+        raise ValueError(
+            f"{folder}: its change would not be measured from its start (its evaluation before "
+            "training is missing, was made where it resumed, or was made with other data, "
+            "generator, retriever, evaluation or warm-start settings than these); remove the "
+            "folder to run it again with these settings"
+        )
+
+
 def collect(folder: Path, method: str) -> dict:
     """What the study keeps of a finished run, read from its folder (summary.json and
     metrics.jsonl): held-out EM before and after (all and per data source) with the
@@ -427,10 +449,10 @@ def collect(folder: Path, method: str) -> dict:
     summary = json.loads((folder / "summary.json").read_text())
     before, after, change = summary["eval_before"], summary["eval_after"], summary["eval_change"]
     if before.get("step"):
-        raise SystemExit(
+        raise ValueError(
             f"{folder}: its evaluation before training was made at step {before['step']}, where "
             "it was resumed with other settings, so its change is not from the run's start; "
-            "remove the folder to run it again"
+            "remove the folder (and its line in runs.jsonl, if it has one) to run it again"
         )
     from ray_credit.pipeline.outputs import read_metrics
 

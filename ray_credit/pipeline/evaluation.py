@@ -360,7 +360,7 @@ def report_change(summary: dict, logger: Any, step: int) -> None:
     if before.get("step"):  # a resume with other settings evaluated where it resumed
         title += f", from step {before['step']} (where the run was resumed), not its start"
     log.info(describe_change(before, after, summary["eval_change"], title))
-    if "eval_base" in summary:
+    if "eval_base" in summary and not before.get("step"):  # from step N it is not its part
         summary["eval_change_warm_start"] = eval_change(summary["eval_base"], before)
         warm = describe_change(summary["eval_base"], before, summary["eval_change_warm_start"])
         log.info(f"the warm-start's part ({warm})")

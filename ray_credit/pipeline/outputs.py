@@ -231,7 +231,8 @@ def plot(rows: list[dict], summary: dict, path: Path) -> None:
         ax.plot(steps, smooth(reward), color="C0", label="train reward (smoothed)")
         ax.plot(steps, [r.get("train/em", 0.0) for r in rows], ".", color="C1", alpha=0.5,
                 label="train EM")  # fmt: skip
-    evals = [(0, summary.get("eval_before")), (summary.get("steps", 0), summary.get("eval_after"))]
+    before = summary.get("eval_before") or {}
+    evals = [(before.get("step", 0), before), (summary.get("steps", 0), summary.get("eval_after"))]
     _eval_points(ax, [(s, e) for s, e in evals if e], "s--", "C2", "held-out EM (95% CI)")
     sampled = [(s, e["sampled"]) for s, e in evals if e and "sampled" in e]
     if sampled:

@@ -255,11 +255,13 @@ def _evaluate_before(
         return
     summary = outputs.summary
     if "eval_before" in summary:
+        step = summary["eval_before"].get("step")
         log.info(
             f"eval before training: EM {summary['eval_before']['em']:.3f} on {len(eval_q)} "
-            f"held-out questions (kept from {outputs.out / 'summary.json'}: before the run's "
-            "first step)"
-        )
+            f"held-out questions (kept from {outputs.out / 'summary.json'}: "
+            + (f"at step {step}, where the run was resumed with other settings)" if step
+               else "before the run's first step)")
+        )  # fmt: skip
         return
     when = "before training" if resumed_step is None else f"at step {resumed_step}"
     summary["eval_before"] = evaluate_policy(cfg, retriever, learner, eval_q, when, generators)

@@ -152,6 +152,8 @@ def test_a_run_cut_off_continues_from_its_newest_checkpoint(tmp_path, monkeypatc
 
     monkeypatch.setattr(recipe, "train", fake_train)
     monkeypatch.setattr(learning, "collect", lambda folder, method: {"em_after": 0.5})
+    checked = []
+    monkeypatch.setattr(learning, "_check_same_start", lambda folder, cfg: checked.append(folder))
     runs = tmp_path / "runs"
     cut = runs / "grpo-seed0" / "checkpoint"
     for step in (1, 2):
@@ -164,6 +166,7 @@ def test_a_run_cut_off_continues_from_its_newest_checkpoint(tmp_path, monkeypatc
     assert run["starts"] == [None, str(cut / "step_000002")]
     assert run["seconds"] is None and run["last_start_seconds"] >= 0  # the cut start's: unknown
     assert "resumed from its checkpoint after step 2" in capsys.readouterr().out
+    assert checked == [runs.resolve() / "grpo-seed0"]  # its start checked before it trains
     early = runs / "tspo-seed0"
     (early / "metrics.jsonl").parent.mkdir(parents=True)
     (early / "metrics.jsonl").write_text("{}\n")  # cut off before its first checkpoint
@@ -171,6 +174,40 @@ def test_a_run_cut_off_continues_from_its_newest_checkpoint(tmp_path, monkeypatc
     assert seen[-1].resume is None and "starts" not in run
     assert not (early / "metrics.jsonl").exists()  # cleared, not appended to
     assert "before its first checkpoint; redone" in capsys.readouterr().out
+    assert len(checked) == 1  # nothing to check on a run started afresh
+
+
+def test_a_run_is_resumed_only_where_its_change_stays_measured_from_its_start(tmp_path):
+    """Before a resumed run trains: its first start's evaluation before training must be
+    kept (same evaluation settings, made before its first step), else it is refused."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from dataclasses import asdict
+
+    import learning
+
+    from ray_credit.pipeline.cli import run_config_class
+    from ray_credit.pipeline.configs import load_config
+
+    run_cls = run_config_class(ROOT / "pipelines" / "grpo.py", "GRPORun")
+    cfg = load_config(run_cls, "grpo", [], default_config=ROOT / "pipelines/configs/sparse.yaml")
+    folder = tmp_path / "grpo-seed0"
+    folder.mkdir()
+
+    def first_start(config, eval_before):
+        summary = {"config": json.loads(json.dumps(asdict(config), default=str)),
+                   "eval_before": eval_before}  # fmt: skip
+        (folder / "summary.json").write_text(json.dumps(summary))
+
+    first_start(cfg, {"em": 0.4})
+    learning._check_same_start(folder, cfg)  # as it started: goes on
+    first_start(cfg, {"em": 0.4, "step": 7})
+    with pytest.raises(ValueError, match="grpo-seed0: its change would not be measured"):
+        learning._check_same_start(folder, cfg)
+    other = load_config(run_cls, "grpo", ["--data.eval_questions", "80"],
+                        default_config=ROOT / "pipelines/configs/sparse.yaml")  # fmt: skip
+    first_start(other, {"em": 0.4})
+    with pytest.raises(ValueError, match="remove the folder"):
+        learning._check_same_start(folder, cfg)
 
 
 def test_a_run_whose_change_is_not_from_its_start_is_refused(tmp_path):
@@ -185,7 +222,7 @@ def test_a_run_whose_change_is_not_from_its_start_is_refused(tmp_path):
     summary = {"estimator": "grpo", "eval_before": {**evaluation, "step": 7},
                "eval_after": evaluation, "eval_change": {}}  # fmt: skip
     (run / "summary.json").write_text(json.dumps(summary))
-    with pytest.raises(SystemExit, match="made at step 7, where it was resumed"):
+    with pytest.raises(ValueError, match="made at step 7, where it was resumed"):
         learning.collect(run, "grpo")
 
 
