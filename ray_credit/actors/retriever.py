@@ -39,12 +39,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ray_credit.actors.corpus import Corpus, CorpusSource, corpus_fingerprint, source_stamp
 from ray_credit.actors.dense_index import (
+    MANIFEST,
     DenseIndex,
     IndexConfig,
     check_index_folder,
@@ -111,16 +112,28 @@ def index_cache_folder(
     encoder = EncoderConfig(name=encoder) if isinstance(encoder, str) else encoder
     config = IndexConfig(kind=config) if isinstance(config, str) else config
     identity = index_identity(corpus, encoder, config, index_file and str(index_file))
-    blob = json.dumps(identity, sort_keys=True).encode()
-    key = hashlib.blake2b(blob, digest_size=10).hexdigest()
-    name = identity["encoder"]["name"]  # a preset by its name, however it was given
-    readable = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
     if isinstance(corpus, (str, os.PathLike)):
         what = Path(corpus).name.split(".")[0][:30]
     else:
         what = f"{len(Corpus.coerce(corpus))}docs"
     kind = "imported" if index_file else config.kind
-    return cache_dir().parent / "indexes" / f"{readable[-40:]}-{kind}-{what}-{key}"
+    root = cache_dir().parent / "indexes"
+
+    def folder(identity: dict[str, Any]) -> Path:
+        key = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=10)
+        name = identity["encoder"]["name"]  # a preset by its name, however it was given
+        readable = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+        return root / f"{readable[-40:]}-{kind}-{what}-{key.hexdigest()}"
+
+    found = folder(identity)
+    # an index cached before a preset's spellings were one (keyed by the encoder settings
+    # as given) is still found
+    as_given = {k: v for k, v in asdict(encoder).items() if k not in ("device", "batch_size")}
+    if as_given != identity["encoder"] and not (found / MANIFEST).is_file():
+        earlier = folder({**identity, "encoder": as_given})
+        if (earlier / MANIFEST).is_file():
+            return earlier
+    return found
 
 
 def _same_corpus(given: CorpusSource, docs: Corpus, folder: Path) -> None:

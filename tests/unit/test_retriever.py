@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -491,6 +491,13 @@ def test_a_presets_name_and_its_hub_id_share_one_index(tmp_path, monkeypatch, co
         corpus, by_name, "flat"
     )
     assert canonical_encoder_name("/models/e5-base-v2") == "/models/e5-base-v2"  # a folder: its own
+    # a preset given by its name keys the folder it always did (a changed key rebuilds
+    # every user's cached index)
+    two = [{"id": "a", "contents": "A\nt1"}, {"id": "b", "contents": "B\nt2"}]
+    assert (
+        index_cache_folder(two, by_name, "flat").name
+        == "e5-base-v2-flat-2docs-7a92d842dd2184b08695"
+    )
 
     folder = tmp_path / "idx"  # an index recorded under another spelling of the same model
     Retriever.create(CORPUS_DOCS, index_folder=folder)
@@ -503,6 +510,23 @@ def test_a_presets_name_and_its_hub_id_share_one_index(tmp_path, monkeypatch, co
     monkeypatch.setattr(retriever_module, "canonical_encoder_name", lambda n: n)
     with pytest.raises(InputError, match="another encoder.*name"):
         Retriever.create(CORPUS_DOCS, index_folder=folder)
+
+
+def test_an_index_cached_under_the_settings_as_given_is_still_found(monkeypatch):
+    """Before a preset's spellings keyed one folder, the key took the settings as given
+    ('' for MiniLM's query prefix, which is its preset's): that folder, when whole, is
+    used rather than embedding the corpus again."""
+    as_given = EncoderConfig(query_prefix="", device="cpu")
+    assert as_given.identity() == EncoderConfig().identity()
+    with monkeypatch.context() as old_keys:
+        old_keys.setattr(EncoderConfig, "identity", lambda self: {
+            k: v for k, v in asdict(self).items() if k not in ("device", "batch_size")
+        })  # fmt: skip
+        earlier = index_cache_folder(CORPUS_DOCS, as_given, "flat")
+        Retriever.create(CORPUS_DOCS, encoder=as_given)  # cached there
+    assert (earlier / "manifest.json").is_file()
+    assert index_cache_folder(CORPUS_DOCS, as_given, "flat") == earlier
+    assert index_cache_folder(CORPUS_DOCS, EncoderConfig(), "flat") != earlier  # not as given
 
 
 def test_a_damaged_index_file_names_the_folder_and_the_fix(tmp_path):
