@@ -110,12 +110,18 @@ def _cached_plans(cache: Path) -> dict[str, list[str]]:
     if not cache.is_file():
         return {}
     text = cache.read_text(encoding="utf-8")
-    if text and not text.endswith("\n"):
-        kept, newline, cut = text.rpartition("\n")
-        log.info(f"note: {cache}'s last line was cut off ({len(cut)} characters, a run killed "
-                 "while writing it): removed, its plan is made again")  # fmt: skip
-        text = kept + newline
-        cache.write_text(text, encoding="utf-8")
+    if text and not text.endswith("\n"):  # the next line appended must start a line
+        kept, newline, last = text.rpartition("\n")
+        try:
+            json.loads(last)
+            text += "\n"  # whole, only its newline missing
+        except json.JSONDecodeError:
+            log.info(f"note: {cache}'s last line was cut off ({len(last)} characters, a run "
+                     "killed while writing it): removed, its plan is made again")  # fmt: skip
+            text = kept + newline
+        partial = cache.with_name(cache.name + ".partial")
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(cache)  # whole or as it was: a kill here loses no plan
     known: dict[str, list[str]] = {}
     for number, line in enumerate(text.splitlines(), 1):
         try:

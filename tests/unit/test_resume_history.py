@@ -234,6 +234,11 @@ def test_reference_plans_cut_off_while_written_are_made_again(tmp_path, capsys):
     assert asked == ["b?"] and [q["reference_plan"] for q in out] == [["find a?"], ["find b?"]]
     assert "last line was cut off (7 characters" in capsys.readouterr().out
     assert [json.loads(line)["question"] for line in cache.read_text().splitlines()] == ["a?", "b?"]
+    whole = json.dumps({"question": "b?", "reference_plan": ["find b?"]})
+    cache.write_text(whole)  # whole, its newline missing: kept
+    assert [q["reference_plan"] for q in with_reference_plans(plan, Judges(), questions, cache)
+            ] == [["find a?"], ["find b?"]] and asked == ["b?", "a?"]  # fmt: skip
+    assert cache.read_text().startswith(whole + "\n")  # the next plan on a line of its own
     cache.write_text("not json\n")
     with pytest.raises(InputError, match=r"reference_plans\.jsonl:1: not a reference plan"):
         with_reference_plans(plan, Judges(), questions, cache)
