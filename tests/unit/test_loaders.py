@@ -283,20 +283,20 @@ def test_qa_fields_of_the_wrong_type_name_file_line_and_field(tmp_path, row, mes
 
 
 def test_hop_counts_written_by_pandas_with_gaps_are_counts(tmp_path):
-    """A table's int column with a missing value is float64 (pandas): 2.0 is 2 hops and
-    NaN no count, not an error."""
+    """A table's int column with a missing value is float64 (pandas writes [2, None] as
+    2.0 and null): 2.0 is 2 hops, and null or NaN no count, not an error."""
     import pyarrow as pa
 
     path = tmp_path / "set.parquet"
     table = pa.table(
         {
-            "question": ["a?", "b?"],
-            "golden_answers": [["x"], ["y"]],
-            "hops": pa.array([2.0, float("nan")]),
+            "question": ["a?", "b?", "c?"],
+            "golden_answers": [["x"], ["y"], ["z"]],
+            "hops": pa.array([2.0, None, float("nan")], pa.float64()),
         }
-    )  # as pandas writes [2, None]
+    )
     pq.write_table(table, path)
-    assert [q["hops"] for q in load_qa(path)] == [2, None]
+    assert [q["hops"] for q in load_qa(path)] == [2, None, None]
 
 
 def test_qa_duplicate_ids_name_both_rows(tmp_path):
