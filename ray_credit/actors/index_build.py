@@ -106,8 +106,7 @@ def index_identity(
     """What an index folder's content depends on, without reading the corpus: a corpus
     file's stamp (path, size, mtime) or an in-memory corpus's fingerprint; the encoder's
     settings as :meth:`~ray_credit.actors.encoder.EncoderConfig.identity` spells them and a
-    stamp of a local model folder; the index
-    settings; an imported index file's stamp."""
+    stamp of a local model folder; the index settings; an imported index file's stamp."""
     from ray_credit.actors.encoder import resolve_encoder_path
 
     if isinstance(corpus, (str, os.PathLike)):

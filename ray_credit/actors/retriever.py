@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +89,9 @@ Hit = dict[str, Any]
 """One retrieved document: ``{"id", "contents", "title", "text", "score"}``."""
 
 
+_SPELLED = ("name", "query_prefix", "passage_prefix")  # what EncoderConfig.identity respells
+
+
 def index_cache_folder(
     corpus: CorpusSource,
     encoder: Encoder | EncoderConfig | str,
@@ -128,7 +131,7 @@ def index_cache_folder(
     found = folder(identity)
     # an index cached before a preset's spellings were one (keyed by the encoder settings
     # as given) is still found
-    as_given = {k: v for k, v in asdict(encoder).items() if k not in ("device", "batch_size")}
+    as_given = {**encoder.identity(), **{k: getattr(encoder, k) for k in _SPELLED}}
     if as_given != identity["encoder"] and not (found / MANIFEST).is_file():
         earlier = folder({**identity, "encoder": as_given})
         if (earlier / MANIFEST).is_file():
