@@ -162,8 +162,15 @@ def round_factors(
     for kind, weight in ((1, w0), (2, w1)):
         weight = weight[at] if np.ndim(weight) else weight
         factors[at, kind] = (weight / weight_sum[at]) * rounds[at]  # Design 3: c * (T - 1)
+    # of those, the ones whose rounds' weights are not uniform: only there does the judge
+    # change GRPO's advantage (at alpha = inf, a round judged useless beside a useful one)
+    moved = redistributed & (
+        ((ones < rounds) & ~np.isclose(factors[:, 1], 1.0))
+        | ((ones > 0) & ~np.isclose(factors[:, 2], 1.0))
+    )
     counts = {
         "redistributed_trajs": float(np.count_nonzero(redistributed)),
+        "reweighted_trajs": float(np.count_nonzero(moved)),
         "null_judgement_trajs": float(np.count_nonzero(null_turns)),
         "null_judgement_turns": float(null_turns.sum()),
     }

@@ -78,6 +78,8 @@ def test_paper_vectors(alpha: float, expected: list[list[float]], last_judged: i
     out = CW(vector_batch(last_judged), alpha=alpha)
     assert_rows(per_traj(out), expected + FAILED)
     assert out.metrics["cw_grpo/redistributed_trajs"] == 2
+    # only the first has a round judged useless beside useful ones: the second is GRPO's
+    assert out.metrics["cw_grpo/reweighted_trajs"] == (0 if alpha == 0 else 1)
     assert out.metrics["cw_grpo/null_judgement_turns"] == 0
 
 
@@ -99,6 +101,7 @@ def test_paper_null_on_search_round_falls_back_to_grpo() -> None:
     assert out.metrics["cw_grpo/null_judgement_trajs"] == 1
     assert out.metrics["cw_grpo/null_judgement_turns"] == 1
     assert out.metrics["cw_grpo/redistributed_trajs"] == 1
+    assert out.metrics["cw_grpo/reweighted_trajs"] == 0  # the other one's rounds are alike
 
 
 def test_paper_null_on_final_round_is_ignored() -> None:
