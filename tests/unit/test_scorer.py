@@ -181,6 +181,7 @@ def test_update_weights_is_versioned():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # the real 135M policy on CPU (about 30 s): the second test command
 def test_smollm2_gains_belief_from_a_document_with_the_answer():
     """The real policy believes the gold more after reading it: IG > 0 on that turn only."""
     model, tokenizer = load_model("smollm2-135m")
