@@ -44,7 +44,12 @@ run is recorded in ``<runs-dir>/runs.jsonl`` as it ends, with its ``--set`` and 
 fingerprint of ``embedded.yaml``. Started again with the same ``--runs-dir`` and settings,
 the study reuses the recorded runs and redoes only the rest, so a study of hours survives a
 lost machine; a record made with other settings or from another ``embedded.yaml`` is
-refused, not mixed in. A run saves a checkpoint after every step (only the newest is kept),
+refused, not mixed in. The record is all a new machine needs: copied into a new
+``--runs-dir`` there, the study goes on, each seed's warm-start made again; a run whose
+warm-start weights (their SHA-256) or evaluation before training are not those the
+recorded runs of its seed started from is refused (another CPU or torch build can make
+other weights from the same settings), before training where the warm-start is already
+there. A run saves a checkpoint after every step (only the newest is kept),
 and a run cut off half-way continues from it (``--resume``: its evaluation before training,
 metrics, data cursor and the chunks generated ahead of training come back; the record lists
 its starts, and its wall time, cut off, is unknown: the table's s/run reads n/a where a
@@ -225,7 +230,20 @@ def main(argv: list[str] | None = None) -> int:
                     reused = {**reused, "rl_seconds": rl_seconds(read_metrics(metrics))}
                 runs[method].append(reused)
                 continue
+            same_seed = [{**r, "method": m} for (m, s), r in done.items() if s == seed] + [
+                {**r[-1], "method": m} for m, r in runs.items() if r and r[-1]["seed"] == seed
+            ]
+            made_here = runs_dir / f"warm_start-seed{seed}"
+            if (made_here / "warm_start.json").is_file():  # known before training: check now
+                from ray_credit.warm_start import weights_digest
+
+                why = different_start({"warm_start_sha256": weights_digest(made_here)}, same_seed)
+                if why:
+                    parser.error(_not_their_start(method, seed, why, made_here))
             run = run_one(method, seed, settings, runs_dir, args.config, composed.get(method))
+            why = different_start(run, same_seed)
+            if why:  # its warm-start was made in this very run: its folder stays, unrecorded
+                parser.error(_not_their_start(method, seed, why, made_here))
             with (runs_dir / RECORD).open("a") as record:
                 row = {"method": method, "settings": settings, "defaults": fingerprint}
                 record.write(json.dumps({**row, **run}) + "\n")
@@ -235,9 +253,45 @@ def main(argv: list[str] | None = None) -> int:
     return _report(args, parser, seeds, settings, composed, against, runs, started)
 
 
+def different_start(run: dict, others: list[dict]) -> str | None:
+    """Why ``run`` did not start where ``others`` (runs of its seed) did, or None: another
+    warm-start's weights (their SHA-256, where both runs recorded it) or another evaluation
+    before training. The same settings made again on another CPU or torch build can give
+    other weights, and a seed's runs are compared question by question from one start."""
+    for other in others:
+        mine, theirs = run.get("warm_start_sha256"), other.get("warm_start_sha256")
+        if mine and theirs and mine != theirs:
+            return (
+                f"its warm-start's weights (SHA-256 {mine[:12]}...) are not those "
+                f"{other.get('method', 'another run')} started from ({theirs[:12]}...)"
+            )
+        mine, theirs = run.get("correct_before"), other.get("correct_before")
+        if mine is not None and theirs is not None and mine != theirs:
+            return "its evaluation before training answered other questions right"
+    return None
+
+
+def _not_their_start(method: str, seed: int, why: str, warm_start: Path) -> str:
+    return (
+        f"{method} seed {seed} does not start where the recorded runs of seed {seed} did: "
+        f"{why}. The warm-start in {warm_start} was made again (another machine or torch "
+        "build makes other weights from the same settings), and runs from it are another "
+        "study's: bring the warm-start folder the record's runs started from, or give "
+        "another --runs-dir"
+    )
+
+
 def _report(args, parser, seeds, settings, composed, against, runs, started) -> int:
     """The study's report of ``runs`` (method -> its runs, one per seed): JSON, tables and
     plot, each method paired with GRPO's and with --against's runs."""
+    for seed in seeds:
+        of_seed = [{**r[i], "method": m} for m, r in runs.items() for i in range(len(r))
+                   if r[i]["seed"] == seed]  # fmt: skip
+        for i, run in enumerate(of_seed[1:], 1):
+            why = different_start(run, of_seed[:i])
+            if why:
+                parser.error(f"{run['method']} seed {seed} did not start where the seed's other "
+                             f"runs did ({why}): they are not one study's runs")  # fmt: skip
     report = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
@@ -474,6 +528,8 @@ def collect(folder: Path, method: str) -> dict:
         "searches_after_by_source": after.get("searches_by_source"),
         # per question (1 right, 0 wrong): pooled over seeds, and paired with GRPO's
         "correct_before": before["correct"],
+        # the weights every method of the seed starts RL from, wherever they were made
+        "warm_start_sha256": summary.get("warm_start", {}).get("weights_sha256"),
         "correct_after": after["correct"],
         "source": before["source"],
         # eval.samples: each question's share of right samples, before and after

@@ -333,6 +333,22 @@ def settings_fingerprint(settings: Mapping[str, Any]) -> str:
     return hashlib.blake2b(blob, digest_size=10).hexdigest()
 
 
+def weights_digest(folder: str | Path) -> str:
+    """The SHA-256 of a saved policy's weights (its ``*.safetensors`` files, by name and
+    content): the same settings made again on another CPU or torch build can give other
+    weights, and runs that claim one start must have started from the same ones."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors weights to digest")
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 # ----------------------------------------------------------------------- fine-tuning
 
 
@@ -415,8 +431,8 @@ def warm_start(
     fit: Callable[[TrajectoryBatch, int, Path, str], dict] | None = None,
 ) -> dict[str, Any]:
     """Demonstrate ``questions``, fine-tune ``model`` on them and save it in ``folder``
-    (a Hugging Face folder, with ``warm_start.json``: the settings' fingerprint and the
-    metrics). A folder already holding a warm start of the same settings is reused as it
+    (a Hugging Face folder, with ``warm_start.json``: the settings' fingerprint, the
+    weights' SHA-256 and the metrics). A folder already holding a warm start of the same settings is reused as it
     is; one of other settings raises. Returns the manifest.
 
     ``fit(demonstrations, pad_token_id, folder, fingerprint)`` fine-tunes and saves the
@@ -446,6 +462,8 @@ def warm_start(
                 f"{path} holds a warm-started policy made with other settings (model, "
                 "warm_start, generator or questions); delete it or set warm_start.folder"
             )
+        if "weights_sha256" not in manifest:  # saved before the manifest kept it
+            manifest["weights_sha256"] = weights_digest(path)
         return {**manifest, "reused": True}
     if path.exists() and any(path.iterdir()):
         raise ValueError(
@@ -472,6 +490,7 @@ def warm_start(
     tokenizer.save_pretrained(tmp)
     manifest = {
         "fingerprint": fingerprint,
+        "weights_sha256": weights_digest(tmp),
         "metrics": {
             **counts,
             "warm_start/questions": float(len(chosen)),

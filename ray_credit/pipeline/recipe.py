@@ -208,7 +208,12 @@ def _warm_start(
         + (f"; Ray Train, {res.learner_workers} worker(s)" if not manifest["reused"] else "")
         + ")",
     )
-    summary["warm_start"] = {"folder": folder, "reused": manifest["reused"], **m}
+    summary["warm_start"] = {
+        "folder": folder,
+        "reused": manifest["reused"],
+        "weights_sha256": manifest["weights_sha256"],  # which weights, wherever made
+        **m,
+    }
     outputs.logger.log(m, step=0)
     return replace(cfg, model=folder)
 

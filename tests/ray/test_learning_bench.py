@@ -132,6 +132,85 @@ def test_study_records_runs_and_resumes(tmp_path, monkeypatch, capsys):
     assert "the study names and places its runs" in capsys.readouterr().err
 
 
+def test_a_record_carried_to_a_new_machine_goes_on_only_from_its_runs_start(
+    tmp_path, monkeypatch, capsys
+):
+    """The record alone moves a study to another machine: its runs are reused, the rest
+    run there. A run whose warm-start (made again there) has other weights, or whose
+    evaluation before training differs, is refused, before training where the warm-start
+    is already on disk, and the report refuses a seed whose runs started apart."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+
+    from ray_credit.warm_start import weights_digest
+
+    calls, made = [], {"weights": b"first machine", "correct": [1, 0, 1]}
+
+    def fake_run(method, seed, settings, runs_dir, config=None, composition=None):
+        calls.append((method, seed))
+        folder = runs_dir / f"warm_start-seed{seed}"
+        if not (folder / "warm_start.json").is_file():  # made by the run, as train does
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "model.safetensors").write_bytes(made["weights"])
+            (folder / "warm_start.json").write_text("{}")
+        change = {"diff": 0.0, "low": 0.0, "high": 0.0}
+        return {"seed": seed, "seconds": 1.0, "em_before": 0.5, "em_after": 0.5,
+                "em_before_by_source": {"1hop": 0.5}, "em_after_by_source": {"1hop": 0.5},
+                "em_change": change, "em_change_by_source": {"1hop": change},
+                "searches_before": 1.0, "searches_after": 1.0, "reward": [0.1],
+                "groups_all_wrong": [0.5], "groups_zero_advantage": [0.5],
+                "estimator_counters": {}, "correct_before": made["correct"],
+                "correct_after": made["correct"], "source": ["1hop"] * 3,
+                "warm_start_sha256": weights_digest(folder)}  # fmt: skip
+
+    monkeypatch.setattr(learning, "run_one", fake_run)
+    monkeypatch.setattr(learning, "plot_curves", lambda report, path: path.write_text("png"))
+    first, second = tmp_path / "first", tmp_path / "second"
+
+    def study(runs, methods="grpo,tspo"):
+        return learning.main(["--methods", methods, "--seeds", "0", "--runs-dir", str(runs),
+                              "--out", str(runs / "l.json")])  # fmt: skip
+
+    assert study(first, "grpo") == 0 and calls == [("grpo", 0)]
+    second.mkdir()
+    (second / "runs.jsonl").write_text((first / "runs.jsonl").read_text())  # the record alone
+    made["weights"] = b"second machine"  # the same settings, other weights
+    with pytest.raises(SystemExit):
+        study(second)
+    err = capsys.readouterr().err
+    assert "tspo seed 0 does not start where the recorded runs of seed 0 did" in err
+    assert "its warm-start's weights" in err and "are not those grpo started from" in err
+    assert calls[-1] == ("tspo", 0) and "tspo" not in (second / "runs.jsonl").read_text()
+    calls.clear()
+    with pytest.raises(SystemExit):  # the warm-start is now on disk: refused before training
+        study(second)
+    assert calls == [] and "does not start where" in capsys.readouterr().err
+    # the first machine's warm-start brought along: the study goes on from the record
+    (second / "warm_start-seed0" / "model.safetensors").write_bytes(b"first machine")
+    assert study(second) == 0 and calls == [("tspo", 0)]
+    report = json.loads((second / "l.json").read_text())
+    assert [r["seed"] for r in report["runs"]["tspo"]] == [0]
+    # the same weights but another evaluation before training: not one start either
+    made["correct"] = [0, 0, 1]
+    (tmp_path / "third").mkdir()
+    (tmp_path / "third" / "runs.jsonl").write_text((first / "runs.jsonl").read_text())
+    (tmp_path / "third" / "warm_start-seed0").mkdir()
+    (tmp_path / "third" / "warm_start-seed0" / "model.safetensors").write_bytes(b"first machine")
+    (tmp_path / "third" / "warm_start-seed0" / "warm_start.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        study(tmp_path / "third")
+    assert "evaluation before training answered other questions right" in capsys.readouterr().err
+    # a record whose runs of one seed started apart is refused by --report
+    lines = (second / "runs.jsonl").read_text().splitlines()
+    tspo = json.loads(lines[1])
+    tspo["warm_start_sha256"] = "f" * 64
+    (tmp_path / "mixed.jsonl").write_text(lines[0] + "\n" + json.dumps(tspo) + "\n")
+    with pytest.raises(SystemExit):
+        learning.main(["--methods", "grpo,tspo", "--seeds", "0", "--out",
+                       str(tmp_path / "m.json"), "--report", str(tmp_path / "mixed.jsonl")])  # fmt: skip
+    assert "they are not one study's runs" in capsys.readouterr().err
+
+
 def test_a_run_cut_off_continues_from_its_newest_checkpoint(tmp_path, monkeypatch, capsys):
     """A study's runs save a checkpoint every step; an unfinished run's folder is resumed
     from its newest whole checkpoint (the record lists the starts), and one without a

@@ -23,6 +23,7 @@ from ray_credit.warm_start import (  # noqa: E402
     expert_turns,
     rl_questions,
     warm_start,
+    weights_digest,
 )
 
 DOCS = {
@@ -174,6 +175,7 @@ def test_warm_start_trains_saves_a_loadable_policy_and_is_reused(tmp_path):
     assert m["warm_start/loss_last_epoch"] < m["warm_start/loss_first_epoch"]
     policy, _ = load_model(str(folder))
     base, _ = load_model("tiny-random")
+    base.save_pretrained(tmp_path / "base", safe_serialization=True)
     changed = [
         k for k, v in base.state_dict().items() if not torch.equal(v, policy.state_dict()[k])
     ]
@@ -181,6 +183,17 @@ def test_warm_start_trains_saves_a_loadable_policy_and_is_reused(tmp_path):
     again = warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
                        GEN, cfg, str(folder))  # fmt: skip
     assert again["reused"] and again["fingerprint"] == made["fingerprint"]
+    # the weights' digest names what was saved: another policy's weights digest otherwise
+    assert made["weights_sha256"] == again["weights_sha256"] == weights_digest(folder)
+    assert len(made["weights_sha256"]) == 64
+    assert weights_digest(folder) != weights_digest(tmp_path / "base")
+    manifest = json.loads((folder / "warm_start.json").read_text())
+    del manifest["weights_sha256"]  # a warm start saved before the manifest kept it
+    (folder / "warm_start.json").write_text(json.dumps(manifest))
+    assert warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
+                      GEN, cfg, str(folder))["weights_sha256"] == made["weights_sha256"]  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        weights_digest(tmp_path)
     # what RL draws from afterwards is not how the warm start is made
     rl_other = WarmStartConfig(
         enabled=True, epochs=4, lr=3e-3, batch_size=2, rl_questions="undemonstrated"
