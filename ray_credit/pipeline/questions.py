@@ -14,7 +14,7 @@ from ray_credit.log import log
 from ray_credit.pipeline.configs import DataConfig
 from ray_credit.pipeline.plan import Plan
 
-__all__ = ["load_data", "load_questions", "with_reference_plans"]
+__all__ = ["judge_identity", "load_data", "load_questions", "with_reference_plans"]
 
 
 def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dict]]:
@@ -64,15 +64,24 @@ def load_questions(data: DataConfig) -> tuple[Any, list[dict]]:
     return corpus, questions
 
 
-def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: Path) -> list[dict]:
-    """The questions with Search-P1's reference plans: the question file's, else the
-    cached ones (``cache``, JSON lines), else made now by the judge pool and cached. A plan
-    the judge failed to make is not cached (the next run asks again); its question's
-    trajectories go unjudged, counted in ``judge/no_evidence``."""
+def judge_identity(judge: Any) -> str:
+    """What makes a judge's reference plans its own (a JudgeConfig's backend, model and
+    guided decoding): plans another judge made are not reused."""
+    return json.dumps({"backend": judge.backend, "model": judge.model, "guided": judge.guided})
+
+
+def with_reference_plans(
+    plan: Plan, judges: Any, questions: list[dict], cache: Path, made_by: str
+) -> list[dict]:
+    """The questions with Search-P1's reference plans: the question file's, else those
+    cached by the same judge (``cache``, JSON lines, each with the ``made_by`` of
+    :func:`judge_identity`), else made now by the judge pool and cached. A plan the judge
+    failed to make is not cached (the next run asks again); its question's trajectories
+    go unjudged, counted in ``judge/no_evidence``."""
     if not plan.question_signals:
         return questions
     (signal,) = plan.question_signals
-    known = _cached_plans(cache)
+    known = _cached_plans(cache, made_by)
     todo = [q for q in questions if not q.get("reference_plan") and q["question"] not in known]
     if todo:
         t0 = time.perf_counter()
@@ -81,7 +90,8 @@ def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: 
             for q, value in zip(todo, made, strict=True):
                 if value is not None:
                     known[q["question"]] = value["reference_plan"]
-                    row = {"question": q["question"], "reference_plan": value["reference_plan"]}
+                    row = {"question": q["question"], "reference_plan": value["reference_plan"],
+                           "judge": made_by}  # fmt: skip
                     out.write(json.dumps(row) + "\n")
         log.info(
             f"reference plans: {sum(v is not None for v in made)} made of {len(todo)} "
@@ -101,10 +111,12 @@ def with_reference_plans(plan: Plan, judges: Any, questions: list[dict], cache: 
     return out_q
 
 
-def _cached_plans(cache: Path) -> dict[str, list[str]]:
-    """The reference plans kept in ``cache`` by question. A last line cut off by a run
-    killed while writing it is removed (its plan is made again), so that the next line
-    appended starts on a line of its own; any other unreadable line is refused, named."""
+def _cached_plans(cache: Path, made_by: str) -> dict[str, list[str]]:
+    """The reference plans kept in ``cache`` by the judge ``made_by``, by question (those
+    of another judge, or kept before the cache named its judge, are made again: counted
+    in the log). A last line cut off by a run killed while writing it is removed (its plan
+    is made again), so that the next line appended starts on a line of its own; any other
+    unreadable line is refused, named."""
     from ray_credit.config import InputError
 
     if not cache.is_file():
@@ -123,13 +135,21 @@ def _cached_plans(cache: Path) -> dict[str, list[str]]:
         partial.write_text(text, encoding="utf-8")
         partial.replace(cache)  # whole or as it was: a kill here loses no plan
     known: dict[str, list[str]] = {}
+    others = set()
     for number, line in enumerate(text.splitlines(), 1):
         try:
             row = json.loads(line)
-            known[row["question"]] = row["reference_plan"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            if row.get("judge") == made_by:
+                known[row["question"]] = row["reference_plan"]
+            else:
+                others.add(row["question"])
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise InputError(
                 f"{cache}:{number}: not a reference plan ({line[:80]!r}); delete the file "
                 "to have the judge make the plans again"
             ) from None
+    other = len(others - known.keys())
+    if other:
+        log.info(f"note: {other} reference plans in {cache} were made by another judge (or "
+                 f"before the file named its judge), not {made_by}: made again")  # fmt: skip
     return known

@@ -41,7 +41,7 @@ from ray_credit.pipeline.preflight import (
     checked_demonstrations,
     preflight,
 )
-from ray_credit.pipeline.questions import load_data, with_reference_plans
+from ray_credit.pipeline.questions import judge_identity, load_data, with_reference_plans
 from ray_credit.pipeline.runner import Pipeline
 from ray_credit.pipeline.services import (
     connect,
@@ -125,7 +125,8 @@ def train(
     outputs.save()  # a run cut off later keeps what it measured so far
     # The pipeline: signals' services, the asynchronous loop.
     judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
-    rl_q = with_reference_plans(plan, judges, rl_q, outputs.out / "reference_plans.jsonl")
+    rl_q = with_reference_plans(plan, judges, rl_q, outputs.out / "reference_plans.jsonl",
+                                made_by=judge_identity(cfg.judge))  # fmt: skip
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
         pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(outputs.storage / "checkpoint"))

@@ -5,6 +5,7 @@ tests/ray/test_pipelines.py; these are its parts, without Ray."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -217,7 +218,9 @@ def test_reference_plans_cut_off_while_written_are_made_again(tmp_path, capsys):
     """A run killed while appending a reference plan leaves half a line: the next start
     removes it and asks the judge for that question's plan again, and its line starts on a
     line of its own. Another unreadable line is refused with the file and line."""
-    from ray_credit.pipeline.questions import with_reference_plans
+    from ray_credit.pipeline.configs import JudgeConfig
+    from ray_credit.pipeline.questions import judge_identity
+    from ray_credit.pipeline.questions import with_reference_plans as with_plans
 
     asked = []
 
@@ -229,12 +232,15 @@ def test_reference_plans_cut_off_while_written_are_made_again(tmp_path, capsys):
     plan = SimpleNamespace(question_signals=("reference_plan",))
     questions = [{"question": "a?"}, {"question": "b?"}]
     cache = tmp_path / "reference_plans.jsonl"
-    cache.write_text(json.dumps({"question": "a?", "reference_plan": ["find a?"]}) + '\n{"quest')
+    judge = judge_identity(JudgeConfig(backend="hf", model="smollm2-135m"))
+    with_reference_plans = functools.partial(with_plans, made_by=judge)
+    plan_a = json.dumps({"question": "a?", "reference_plan": ["find a?"], "judge": judge})
+    cache.write_text(plan_a + '\n{"quest')
     out = with_reference_plans(plan, Judges(), questions, cache)
     assert asked == ["b?"] and [q["reference_plan"] for q in out] == [["find a?"], ["find b?"]]
     assert "last line was cut off (7 characters" in capsys.readouterr().out
     assert [json.loads(line)["question"] for line in cache.read_text().splitlines()] == ["a?", "b?"]
-    whole = json.dumps({"question": "b?", "reference_plan": ["find b?"]})
+    whole = json.dumps({"question": "b?", "reference_plan": ["find b?"], "judge": judge})
     cache.write_text(whole)  # whole, its newline missing: kept
     assert [q["reference_plan"] for q in with_reference_plans(plan, Judges(), questions, cache)
             ] == [["find a?"], ["find b?"]] and asked == ["b?", "a?"]  # fmt: skip
@@ -242,3 +248,30 @@ def test_reference_plans_cut_off_while_written_are_made_again(tmp_path, capsys):
     cache.write_text("not json\n")
     with pytest.raises(InputError, match=r"reference_plans\.jsonl:1: not a reference plan"):
         with_reference_plans(plan, Judges(), questions, cache)
+
+
+def test_reference_plans_of_another_judge_are_made_again(tmp_path, capsys):
+    """A run resumed with another judge model (or a cache kept before it named its judge)
+    asks its own judge for the plans: another judge's are not reused."""
+    from ray_credit.pipeline.configs import JudgeConfig
+    from ray_credit.pipeline.questions import judge_identity, with_reference_plans
+
+    class Judges:
+        def judge(self, signal, questions):
+            return [{"reference_plan": [f"new {q['question']}"]} for q in questions]
+
+    plan = SimpleNamespace(question_signals=("reference_plan",))
+    questions = [{"question": "a?"}, {"question": "b?"}]
+    small = judge_identity(JudgeConfig(backend="hf", model="smollm2-135m"))
+    large = judge_identity(JudgeConfig(backend="hf", model="Qwen/Qwen2.5-7B-Instruct"))
+    cache = tmp_path / "reference_plans.jsonl"
+    cache.write_text(
+        json.dumps({"question": "a?", "reference_plan": ["small a?"], "judge": small}) + "\n"
+        + json.dumps({"question": "b?", "reference_plan": ["old b?"]}) + "\n"  # judge unnamed
+    )  # fmt: skip
+    out = with_reference_plans(plan, Judges(), questions, cache, made_by=large)
+    assert [q["reference_plan"] for q in out] == [["new a?"], ["new b?"]]
+    assert "2 reference plans" in capsys.readouterr().out
+    again = with_reference_plans(plan, Judges(), questions, cache, made_by=small)
+    assert [q["reference_plan"] for q in again] == [["small a?"], ["new b?"]]
+    assert judge_identity(JudgeConfig(backend="hf", model="smollm2-135m")) == small != large
