@@ -44,12 +44,13 @@ run is recorded in ``<runs-dir>/runs.jsonl`` as it ends, with its ``--set`` and 
 fingerprint of ``embedded.yaml``. Started again with the same ``--runs-dir`` and settings,
 the study reuses the recorded runs and redoes only the rest, so a study of hours survives a
 lost machine; a record made with other settings or from another ``embedded.yaml`` is
-refused, not mixed in. The record is all a new machine needs: copied into a new
-``--runs-dir`` there, the study goes on, each seed's warm-start made again; a run whose
-warm-start weights (their SHA-256) or evaluation before training are not those the
-recorded runs of its seed started from is refused (another CPU or torch build can make
-other weights from the same settings), before training where the warm-start is already
-there. A run saves a checkpoint after every step (only the newest is kept),
+refused, not mixed in. On another machine, the record and each seed's
+``warm_start-seedN`` folder carry the study on. With the record alone, each seed's
+warm-start is made again there, and the study goes on only where it gives the same
+weights: a run whose warm-start weights (their SHA-256) or evaluation before training are
+not those the recorded runs of its seed started from is refused (another CPU or torch
+build can make other weights from the same settings), before training where the
+warm-start is already there, and after it otherwise (not recorded, its folder set aside). A run saves a checkpoint after every step (only the newest is kept),
 and a run cut off half-way continues from it (``--resume``: its evaluation before training,
 metrics, data cursor and the chunks generated ahead of training come back; the record lists
 its starts, and its wall time, cut off, is unknown: the table's s/run reads n/a where a
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in settings:
         if "=" not in item:
             parser.error(f"--set takes SECTION.FIELD=VALUE, got {item!r}")
-        if item.split("=", 1)[0] in ("name", "output_dir", "wandb", "resume"):
+        if item.split("=", 1)[0] in ("name", "output_dir", "wandb", "resume", "warm_start.folder"):
             parser.error(f"--set {item}: the study names and places its runs (--runs-dir)")
     against = {}
     if args.against is not None:
@@ -234,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 {**r[-1], "method": m} for m, r in runs.items() if r and r[-1]["seed"] == seed
             ]
             made_here = runs_dir / f"warm_start-seed{seed}"
-            if (made_here / "warm_start.json").is_file():  # known before training: check now
+            digests = any(r.get("warm_start_sha256") for r in same_seed)
+            if digests and (made_here / "warm_start.json").is_file():  # check before training
                 from ray_credit.warm_start import weights_digest
 
                 why = different_start({"warm_start_sha256": weights_digest(made_here)}, same_seed)
@@ -242,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
                     parser.error(_not_their_start(method, seed, why, made_here))
             run = run_one(method, seed, settings, runs_dir, args.config, composed.get(method))
             why = different_start(run, same_seed)
-            if why:  # its warm-start was made in this very run: its folder stays, unrecorded
-                parser.error(_not_their_start(method, seed, why, made_here))
+            if why:  # not recorded, and its folder set aside: it must not be resumed
+                folder = runs_dir / run_name(method, seed)
+                aside = folder.with_name(f"{folder.name}.refused-{time.strftime('%Y%m%d-%H%M%S')}")
+                folder.rename(aside)
+                parser.error(_not_their_start(method, seed, why, made_here, aside))
             with (runs_dir / RECORD).open("a") as record:
                 row = {"method": method, "settings": settings, "defaults": fingerprint}
                 record.write(json.dumps({**row, **run}) + "\n")
@@ -271,13 +276,28 @@ def different_start(run: dict, others: list[dict]) -> str | None:
     return None
 
 
-def _not_their_start(method: str, seed: int, why: str, warm_start: Path) -> str:
+def _not_their_start(
+    method: str, seed: int, why: str, warm_start: Path, aside: Path | None = None
+) -> str:
+    """The refusal of a run that does not start where its seed's recorded runs did."""
+    if "weights" in why:
+        cause = (
+            f"the warm-start in {warm_start} is not theirs (made again, on another machine "
+            "or torch build, the same settings can give other weights): bring the "
+            f"warm-start-seed{seed} folder the record's runs started from, or give another "
+            "--runs-dir"
+        )
+    else:
+        cause = (
+            "its warm-start's weights are theirs, so the evaluation itself answered "
+            "otherwise (other evaluation settings, or an engine that does not repeat its "
+            "greedy answers here): its runs are not comparable with the record's; give "
+            "another --runs-dir"
+        )
+    kept = f" The run, not recorded, is set aside in {aside}." if aside else ""
     return (
         f"{method} seed {seed} does not start where the recorded runs of seed {seed} did: "
-        f"{why}. The warm-start in {warm_start} was made again (another machine or torch "
-        "build makes other weights from the same settings), and runs from it are another "
-        "study's: bring the warm-start folder the record's runs started from, or give "
-        "another --runs-dir"
+        f"{why}; {cause}.{kept}"
     )
 
 

@@ -462,8 +462,13 @@ def warm_start(
                 f"{path} holds a warm-started policy made with other settings (model, "
                 "warm_start, generator or questions); delete it or set warm_start.folder"
             )
-        if "weights_sha256" not in manifest:  # saved before the manifest kept it
-            manifest["weights_sha256"] = weights_digest(path)
+        on_disk = weights_digest(path)  # the weights the run will load, not only the note
+        if manifest.setdefault("weights_sha256", on_disk) != on_disk:  # (older: no note)
+            raise ValueError(
+                f"{path}: its weights are not those its warm-start saved (SHA-256 "
+                f"{on_disk[:12]}..., saved {manifest['weights_sha256'][:12]}...); bring the "
+                "whole folder as it was saved, or delete it to make the warm-start again"
+            )
         return {**manifest, "reused": True}
     if path.exists() and any(path.iterdir()):
         raise ValueError(

@@ -65,9 +65,14 @@ def load_questions(data: DataConfig) -> tuple[Any, list[dict]]:
 
 
 def judge_identity(judge: Any) -> str:
-    """What makes a judge's reference plans its own (a JudgeConfig's backend, model and
-    guided decoding): plans another judge made are not reused."""
-    return json.dumps({"backend": judge.backend, "model": judge.model, "guided": judge.guided})
+    """What makes a judge's reference plans its own (a JudgeConfig's backend, model, its
+    endpoint for an OpenAI-compatible one, and guided decoding as it applies: unset is on
+    for hf, off for openai): plans another judge made are not reused."""
+    guided = judge.guided if judge.guided is not None else judge.backend == "hf"
+    made_by = {"backend": judge.backend, "model": judge.model, "guided": guided}
+    if judge.backend == "openai":
+        made_by["base_url"] = judge.base_url
+    return json.dumps(made_by)
 
 
 def with_reference_plans(
@@ -81,8 +86,12 @@ def with_reference_plans(
     if not plan.question_signals:
         return questions
     (signal,) = plan.question_signals
-    known = _cached_plans(cache, made_by)
+    known, others = _cached_plans(cache, made_by)
     todo = [q for q in questions if not q.get("reference_plan") and q["question"] not in known]
+    again = sum(q["question"] in others for q in todo)
+    if again:
+        log.info(f"note: {again} reference plans in {cache} were made by another judge (or "
+                 f"before the file named its judge), not {made_by}: made again")  # fmt: skip
     if todo:
         t0 = time.perf_counter()
         made = judges.judge(signal, todo)
@@ -111,16 +120,16 @@ def with_reference_plans(
     return out_q
 
 
-def _cached_plans(cache: Path, made_by: str) -> dict[str, list[str]]:
-    """The reference plans kept in ``cache`` by the judge ``made_by``, by question (those
-    of another judge, or kept before the cache named its judge, are made again: counted
-    in the log). A last line cut off by a run killed while writing it is removed (its plan
+def _cached_plans(cache: Path, made_by: str) -> tuple[dict[str, list[str]], set[str]]:
+    """The reference plans kept in ``cache`` by the judge ``made_by``, by question, and
+    the questions whose plans there are only another judge's (or were kept before the
+    cache named its judge; the lines of every judge stay in the file). A last line cut off by a run killed while writing it is removed (its plan
     is made again), so that the next line appended starts on a line of its own; any other
     unreadable line is refused, named."""
     from ray_credit.config import InputError
 
     if not cache.is_file():
-        return {}
+        return {}, set()
     text = cache.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):  # the next line appended must start a line
         kept, newline, last = text.rpartition("\n")
@@ -148,8 +157,4 @@ def _cached_plans(cache: Path, made_by: str) -> dict[str, list[str]]:
                 f"{cache}:{number}: not a reference plan ({line[:80]!r}); delete the file "
                 "to have the judge make the plans again"
             ) from None
-    other = len(others - known.keys())
-    if other:
-        log.info(f"note: {other} reference plans in {cache} were made by another judge (or "
-                 f"before the file named its judge), not {made_by}: made again")  # fmt: skip
-    return known
+    return known, others - known.keys()

@@ -148,6 +148,7 @@ def test_a_record_carried_to_a_new_machine_goes_on_only_from_its_runs_start(
 
     def fake_run(method, seed, settings, runs_dir, config=None, composition=None):
         calls.append((method, seed))
+        (runs_dir / learning.run_name(method, seed)).mkdir(parents=True, exist_ok=True)
         folder = runs_dir / f"warm_start-seed{seed}"
         if not (folder / "warm_start.json").is_file():  # made by the run, as train does
             folder.mkdir(parents=True, exist_ok=True)
@@ -181,6 +182,8 @@ def test_a_record_carried_to_a_new_machine_goes_on_only_from_its_runs_start(
     assert "tspo seed 0 does not start where the recorded runs of seed 0 did" in err
     assert "its warm-start's weights" in err and "are not those grpo started from" in err
     assert calls[-1] == ("tspo", 0) and "tspo" not in (second / "runs.jsonl").read_text()
+    (aside,) = second.glob("tspo-seed0.refused-*")  # set aside, named: never resumed
+    assert str(aside) in err and not (second / "tspo-seed0").exists()
     calls.clear()
     with pytest.raises(SystemExit):  # the warm-start is now on disk: refused before training
         study(second)
@@ -199,7 +202,22 @@ def test_a_record_carried_to_a_new_machine_goes_on_only_from_its_runs_start(
     (tmp_path / "third" / "warm_start-seed0" / "warm_start.json").write_text("{}")
     with pytest.raises(SystemExit):
         study(tmp_path / "third")
-    assert "evaluation before training answered other questions right" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "evaluation before training answered other questions right" in err
+    assert "its warm-start's weights are theirs" in err and "bring the" not in err
+    # a record made before runs kept their warm-start's digest: compared by evaluation only
+    made["correct"] = [1, 0, 1]
+    old = tmp_path / "old"
+    old.mkdir()
+    rows = [json.loads(line) for line in (first / "runs.jsonl").read_text().splitlines()]
+    (old / "runs.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k != "warm_start_sha256"}) + "\n" for r in rows
+    ))  # fmt: skip
+    calls.clear()
+    assert study(old) == 0 and calls == [("tspo", 0)]
+    with pytest.raises(SystemExit):  # the study places each seed's warm-start itself
+        learning.main(["--set", "warm_start.folder=/elsewhere", "--runs-dir", str(old)])
+    assert "the study names and places its runs" in capsys.readouterr().err
     # a record whose runs of one seed started apart is refused by --report
     lines = (second / "runs.jsonl").read_text().splitlines()
     tspo = json.loads(lines[1])

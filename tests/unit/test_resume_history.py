@@ -275,3 +275,8 @@ def test_reference_plans_of_another_judge_are_made_again(tmp_path, capsys):
     again = with_reference_plans(plan, Judges(), questions, cache, made_by=small)
     assert [q["reference_plan"] for q in again] == [["small a?"], ["new b?"]]
     assert judge_identity(JudgeConfig(backend="hf", model="smollm2-135m")) == small != large
+    # guided decoding as it applies: unset is on for hf
+    assert judge_identity(JudgeConfig(backend="hf", model="smollm2-135m", guided=True)) == small
+    served = JudgeConfig(backend="openai", model="judge", base_url="http://a:8000/v1")
+    moved = JudgeConfig(backend="openai", model="judge", base_url="http://b:8000/v1")
+    assert judge_identity(served) != judge_identity(moved)

@@ -194,6 +194,16 @@ def test_warm_start_trains_saves_a_loadable_policy_and_is_reused(tmp_path):
                       GEN, cfg, str(folder))["weights_sha256"] == made["weights_sha256"]  # fmt: skip
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         weights_digest(tmp_path)
+    manifest["weights_sha256"] = made["weights_sha256"]
+    (folder / "warm_start.json").write_text(json.dumps(manifest))
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(
+        (tmp_path / "base" / "model.safetensors").read_bytes()
+    )
+    with pytest.raises(ValueError, match="its weights are not those its warm-start saved"):
+        warm_start("tiny-random", [ONE_HOP, TWO_HOP, UNFINDABLE], TITLES, TitleRetriever(),
+                   GEN, cfg, str(folder))  # fmt: skip
+    (folder / "model.safetensors").write_bytes(weights)
     # what RL draws from afterwards is not how the warm start is made
     rl_other = WarmStartConfig(
         enabled=True, epochs=4, lr=3e-3, batch_size=2, rl_questions="undemonstrated"
