@@ -125,8 +125,9 @@ def train(
     outputs.save()  # a run cut off later keeps what it measured so far
     # The pipeline: signals' services, the asynchronous loop.
     judges = make_judge_pool(cfg.judge, cfg.resources) if "judge" in plan.services else None
-    rl_q = with_reference_plans(plan, judges, rl_q, outputs.out / "reference_plans.jsonl",
-                                made_by=judge_identity(cfg.judge))  # fmt: skip
+    if judges is not None:  # only a judged method's config has a judge section
+        rl_q = with_reference_plans(plan, judges, rl_q, outputs.out / "reference_plans.jsonl",
+                                    made_by=judge_identity(cfg.judge))  # fmt: skip
     pipe_cfg = cfg.pipeline
     if pipe_cfg.checkpoint_dir is None:
         pipe_cfg = replace(pipe_cfg, checkpoint_dir=str(outputs.storage / "checkpoint"))
