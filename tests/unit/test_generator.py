@@ -314,6 +314,19 @@ def test_one_generator_rolls_out_greedy_then_sampled_as_fresh_ones_would(tiny):
         one.generate(QUESTIONS, temperature=-1.0)
 
 
+def test_an_evaluation_first_leaves_the_training_calls_sampling_as_it_was(tiny):
+    """A run that evaluates on its training generator before training (greedy, with the
+    evaluation's own seed) samples its training calls as a run that read that evaluation
+    from a cache: only calls without a seed of their own move the generator's seeds."""
+    config = GeneratorConfig(group_size=2, max_turns=2, max_new_tokens=8, seed=11)
+    cached = Generator(tiny, WordRetriever(), config, name="g")
+    evaluated = Generator(tiny, WordRetriever(), config, name="g")
+    evaluated.generate(QUESTIONS, group_size=1, temperature=0.0, seed=config.seed)
+    for _ in range(2):  # the first two training calls, seeds 11 and 12 in both
+        ids = evaluated.generate(QUESTIONS).table.column("input_ids")
+        assert ids.equals(cached.generate(QUESTIONS).table.column("input_ids"))
+
+
 def test_update_weights_is_versioned_and_changes_the_policy(tiny):
     model, tokenizer = load_model("tiny-random")  # its own copy: the test changes it
     gen = Generator(
