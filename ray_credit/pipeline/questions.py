@@ -123,9 +123,10 @@ def with_reference_plans(
 def _cached_plans(cache: Path, made_by: str) -> tuple[dict[str, list[str]], set[str]]:
     """The reference plans kept in ``cache`` by the judge ``made_by``, by question, and
     the questions whose plans there are only another judge's (or were kept before the
-    cache named its judge; the lines of every judge stay in the file). A last line cut off by a run killed while writing it is removed (its plan
-    is made again), so that the next line appended starts on a line of its own; any other
-    unreadable line is refused, named."""
+    cache named its judge; the lines of every judge stay in the file). A last line cut
+    off by a run killed while writing it is removed (its plan is made again), so that the
+    next line appended starts on a line of its own; any other unreadable line is refused,
+    named."""
     from ray_credit.config import InputError
 
     if not cache.is_file():
