@@ -50,8 +50,9 @@ warm-start is made again there, and the study goes on only where it gives the sa
 weights: a run whose warm-start weights (their SHA-256) or evaluation before training are
 not those the recorded runs of its seed started from is refused (another CPU or torch
 build can make other weights from the same settings), before training where the
-warm-start is already there, and after it otherwise (not recorded, its folder set aside). A run saves a checkpoint after every step (only the newest is kept),
-and a run cut off half-way continues from it (``--resume``: its evaluation before training,
+warm-start is already there, and after it otherwise (not recorded, its folder set
+aside). A run saves a checkpoint after every step (only the newest is kept), and a run
+cut off half-way continues from it (``--resume``: its evaluation before training,
 metrics, data cursor and the chunks generated ahead of training come back; the record lists
 its starts, and its wall time, cut off, is unknown: the table's s/run reads n/a where a
 run was resumed, its RL s/run sums every step); one cut off before its first checkpoint
@@ -284,7 +285,7 @@ def _not_their_start(
         cause = (
             f"the warm-start in {warm_start} is not theirs (made again, on another machine "
             "or torch build, the same settings can give other weights): bring the "
-            f"warm-start-seed{seed} folder the record's runs started from, or give another "
+            f"{warm_start.name} folder the record's runs started from, or give another "
             "--runs-dir"
         )
     else:

@@ -432,8 +432,9 @@ def warm_start(
 ) -> dict[str, Any]:
     """Demonstrate ``questions``, fine-tune ``model`` on them and save it in ``folder``
     (a Hugging Face folder, with ``warm_start.json``: the settings' fingerprint, the
-    weights' SHA-256 and the metrics). A folder already holding a warm start of the same settings is reused as it
-    is; one of other settings raises. Returns the manifest.
+    weights' SHA-256 and the metrics). A folder already holding a warm start of the same
+    settings is reused as it is (its weights checked against the SHA-256 it saved); one
+    of other settings raises. Returns the manifest.
 
     ``fit(demonstrations, pad_token_id, folder, fingerprint)`` fine-tunes and saves the
     policy in ``folder``, returning ``loss_per_epoch`` and ``optimizer_steps`` (the

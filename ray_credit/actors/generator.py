@@ -364,8 +364,8 @@ class Generator:
         call's sampling instead of the config's and the call count's (``config.seed`` +
         the calls so far that gave no seed), so one generator serves training, a greedy and
         a sampled evaluation, each as a fresh generator would roll it out: a call with its
-        own seed leaves the next training call's sampling as it was. ``progress``: a progress bar of finished trajectories with this title, where
-        one is seen (:func:`ray_credit.progress.progress_bar`).
+        own seed leaves the next training call's sampling as it was. ``progress``: a
+        progress bar of finished trajectories with this title, where one is seen (:func:`ray_credit.progress.progress_bar`).
         """
         cfg = self.config
         size = cfg.group_size if group_size is None else group_size
