@@ -35,9 +35,11 @@ a setting: each method's EM after training minus the same method's EM after trai
 that study, on the same seeds' held-out questions (paired, over the seeds both studies
 ran, with the same two-level interval). Runs share their warm-start when both studies
 were given the same one (``--runs-dir`` holding the other's ``warm_start-seedN`` folders,
-or links to them), so that the difference is the setting's alone. ``--against-method M`` compares
-every method with M's runs there instead (GRPO run here against TSPO's runs there, on
-the same settings and warm-start: a method against another, run in two studies).
+or links to them), so that the difference is the setting's alone; the report says on which
+seeds they did (their weights' SHA-256). ``--against-method M`` compares every method with
+M's runs there instead (GRPO run here against TSPO's runs there, on the same settings and
+warm-start: a method against another, run in two studies), and refuses runs that started
+from other warm-starts.
 
 The runs go seed by seed (every method of seed 0, then of seed 1, ...), and each finished
 run is recorded in ``<runs-dir>/runs.jsonl`` as it ends, with its ``--set`` and a
@@ -277,6 +279,26 @@ def different_start(run: dict, others: list[dict]) -> str | None:
     return None
 
 
+def warm_starts(runs: list[dict], theirs: list[dict]) -> dict[int, str]:
+    """For each seed that ``runs`` and ``theirs`` (another study's runs) both ran: "same"
+    where both started from the same warm-start weights (their recorded SHA-256), "other"
+    where they did not, "unknown" where a run recorded none (made before it was kept)."""
+    by_seed = {r["seed"]: r.get("warm_start_sha256") for r in theirs}
+    kinds = {}
+    for run in runs:
+        if run["seed"] not in by_seed:
+            continue
+        mine, other = run.get("warm_start_sha256"), by_seed[run["seed"]]
+        kinds[run["seed"]] = (
+            "unknown" if not (mine and other) else ("same" if mine == other else "other")
+        )
+    return kinds
+
+
+def _seeds(seeds) -> str:
+    return ", ".join(str(s) for s in sorted(seeds))
+
+
 def _not_their_start(
     method: str, seed: int, why: str, warm_start: Path, aside: Path | None = None
 ) -> str:
@@ -336,9 +358,20 @@ def _report(args, parser, seeds, settings, composed, against, runs, started) -> 
         report["against"] = {"record": str(args.against),
                              "settings": next(iter(against.values()))["settings"],
                              "method": args.against_method}  # fmt: skip
+        starts = {"same": set(), "other": set(), "unknown": set()}
         for method, agg in report["methods"].items():
             other = args.against_method or method
             theirs = [run for (m, _), run in sorted(against.items()) if m == other]
+            for seed, kind in warm_starts(runs[method], theirs).items():
+                starts[kind].add(seed)
+            if args.against_method and starts["other"]:
+                parser.error(
+                    f"--against {args.against}: {method} here and its {other} runs there "
+                    f"started from other warm-starts on seed(s) {_seeds(starts['other'])} "
+                    "(their weights' SHA-256 differ), so their difference is not the "
+                    "methods' alone; give this study that record's warm_start-seedN folders "
+                    "(in its --runs-dir) and run it again"
+                )
             parts = ["all", *agg["em_after_by_source"]]
             try:
                 agg["vs_against"] = {
@@ -347,6 +380,10 @@ def _report(args, parser, seeds, settings, composed, against, runs, started) -> 
                 }
             except ValueError as err:
                 parser.error(f"--against {args.against}: {method}: {err}")
+        # a seed counts as one start only if every method's runs of it shared theirs
+        starts["other"] -= starts["unknown"]
+        starts["same"] -= starts["other"] | starts["unknown"]
+        report["against"]["warm_start"] = {k: sorted(v) for k, v in starts.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot_path = args.plot or args.out.with_suffix(".png")
@@ -818,9 +855,22 @@ def table(report: dict) -> str:
             for m, agg in methods.items()
         ]
         whose = f"its {other} runs" if other else "the same method"
+        starts = against.get("warm_start") or {}
+        said = [
+            f"{words} on seed{'s' if len(starts[kind]) > 1 else ''} {_seeds(starts[kind])}"
+            for kind, words in (
+                ("same", "from the same warm-start"),
+                ("other", "from other warm-starts (the difference includes theirs)"),
+                ("unknown", "from warm-starts not recorded"),
+            )
+            if starts.get(kind)
+        ]
         text += (
             f"\n\nAgainst {against['record']} ({whose} and seeds with {theirs}; "
-            "paired on the same questions):\n\n" + _markdown(head, rows)
+            "paired on the same questions"
+            + (f"; started {'; '.join(said)}" if said else "")
+            + "):\n\n"
+            + _markdown(head, rows)
         )
     return text
 

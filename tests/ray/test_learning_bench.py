@@ -461,9 +461,10 @@ def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch
                 "correct_after": dict(zip(keys, after, strict=True)),
                 "source": dict.fromkeys(keys, "1hop"), "reward": [0.1],
                 "groups_all_wrong": [0.5], "groups_zero_advantage": [0.5],
-                "estimator_counters": {},
+                "estimator_counters": {}, "warm_start_sha256": digest[seed],
                 **({"estimator": composition} if composition else {})}  # fmt: skip
 
+    digest = {0: "a" * 64, 1: "b" * 64, 2: "c" * 64}
     monkeypatch.setattr(learning, "run_one", fake_run)
     monkeypatch.setattr(learning, "plot_curves", lambda report, path: path.write_text("png"))
     first = tmp_path / "first"
@@ -483,7 +484,9 @@ def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch
     # seeds 0 and 1 only (seed 2 is not in the other study): 8 pairs, 2 better, 0 worse
     assert (versus["n"], versus["better"], versus["worse"]) == (8, 2, 0)
     assert versus["diff"] == pytest.approx(0.25)
-    assert "after with learner.lr=1e-5" in capsys.readouterr().out
+    assert report["against"]["warm_start"] == {"same": [0, 1], "other": [], "unknown": []}
+    out = capsys.readouterr().out
+    assert "after with learner.lr=1e-5" in out and "from the same warm-start on seeds 0, 1" in out
     with pytest.raises(SystemExit):
         learning.main([*argv[:-1], str(tmp_path / "nowhere.jsonl")])
     assert "no such study record" in capsys.readouterr().err
@@ -497,6 +500,24 @@ def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch
     versus = report["methods"]["grpo"]["vs_against"]["all"]
     assert (versus["n"], versus["better"], versus["worse"]) == (8, 2, 0)
     assert "(its tspo runs and seeds with learner.lr=1e-5" in capsys.readouterr().out
+    # a setting measured from another warm-start on a seed says so; a method against
+    # another method's runs from another warm-start is refused
+    digest[1] = "d" * 64
+    setting = ["--methods", "tspo", "--seeds", "0,1", "--set", "learner.lr=3e-5",
+               "--runs-dir", str(tmp_path / "fourth"), "--out", str(tmp_path / "d.json"),
+               "--against", str(first / "runs.jsonl")]  # fmt: skip
+    assert learning.main(setting) == 0
+    report = json.loads((tmp_path / "d.json").read_text())
+    assert report["against"]["warm_start"] == {"same": [0], "other": [1], "unknown": []}
+    assert "from other warm-starts (the difference includes theirs) on seed 1" in (
+        capsys.readouterr().out
+    )
+    fifth = [*argv[:7], str(tmp_path / "fifth"), *argv[8:]]
+    with pytest.raises(SystemExit):
+        learning.main(fifth)
+    assert "grpo here and its tspo runs there started from other warm-starts on seed(s) 1" in (
+        capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
         learning.main([*argv[:-1], "grpo"])  # the record holds no GRPO runs
     assert "holds no grpo runs" in capsys.readouterr().err
