@@ -280,18 +280,19 @@ def different_start(run: dict, others: list[dict]) -> str | None:
 
 
 def warm_starts(runs: list[dict], theirs: list[dict]) -> dict[int, str]:
-    """For each seed that ``runs`` and ``theirs`` (another study's runs) both ran: "same"
-    where both started from the same warm-start weights (their recorded SHA-256), "other"
-    where they did not, "unknown" where a run recorded none (made before it was kept)."""
-    by_seed = {r["seed"]: r.get("warm_start_sha256") for r in theirs}
+    """For each seed that ``runs`` and ``theirs`` (another study's runs) both ran: "other"
+    where two of those runs recorded different warm-start weights (their SHA-256), else
+    "unknown" where one recorded none (made before it was kept), else "same"."""
+    digests: dict[int, tuple[list, list]] = {}
+    for side, rs in enumerate((runs, theirs)):
+        for run in rs:
+            digests.setdefault(run["seed"], ([], []))[side].append(run.get("warm_start_sha256"))
     kinds = {}
-    for run in runs:
-        if run["seed"] not in by_seed:
+    for seed, (mine, other) in sorted(digests.items()):
+        if not (mine and other):
             continue
-        mine, other = run.get("warm_start_sha256"), by_seed[run["seed"]]
-        kinds[run["seed"]] = (
-            "unknown" if not (mine and other) else ("same" if mine == other else "other")
-        )
+        known = {d for d in mine + other if d}
+        kinds[seed] = "other" if len(known) > 1 else "unknown" if None in mine + other else "same"
     return kinds
 
 
@@ -362,12 +363,14 @@ def _report(args, parser, seeds, settings, composed, against, runs, started) -> 
         for method, agg in report["methods"].items():
             other = args.against_method or method
             theirs = [run for (m, _), run in sorted(against.items()) if m == other]
-            for seed, kind in warm_starts(runs[method], theirs).items():
+            kinds = warm_starts(runs[method], theirs)
+            for seed, kind in kinds.items():
                 starts[kind].add(seed)
-            if args.against_method and starts["other"]:
+            elsewhere = [seed for seed, kind in kinds.items() if kind == "other"]
+            if args.against_method and elsewhere:
                 parser.error(
                     f"--against {args.against}: {method} here and its {other} runs there "
-                    f"started from other warm-starts on seed(s) {_seeds(starts['other'])} "
+                    f"started from other warm-starts on seed(s) {_seeds(elsewhere)} "
                     "(their weights' SHA-256 differ), so their difference is not the "
                     "methods' alone; give this study that record's warm_start-seedN folders "
                     "(in its --runs-dir) and run it again"
@@ -380,8 +383,9 @@ def _report(args, parser, seeds, settings, composed, against, runs, started) -> 
                 }
             except ValueError as err:
                 parser.error(f"--against {args.against}: {method}: {err}")
-        # a seed counts as one start only if every method's runs of it shared theirs
-        starts["other"] -= starts["unknown"]
+        # a seed counts as one start only if every method's runs of it shared theirs; one
+        # known difference makes it another start, whatever the runs that recorded none
+        starts["unknown"] -= starts["other"]
         starts["same"] -= starts["other"] | starts["unknown"]
         report["against"]["warm_start"] = {k: sorted(v) for k, v in starts.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -526,6 +526,23 @@ def test_a_setting_is_measured_against_another_studys_runs(tmp_path, monkeypatch
     assert "--against-method needs --against" in capsys.readouterr().err
 
 
+def test_a_seed_started_elsewhere_once_is_another_start_whatever_runs_recorded_none():
+    """warm_starts: per seed over every run on both sides, whatever their order; one known
+    difference makes the seed another start, even beside a run that recorded none."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learning import warm_starts
+
+    def runs(*digests):
+        return [{"seed": seed, "warm_start_sha256": d} for seed, d in digests]
+
+    a, b = "a" * 64, "b" * 64
+    here = runs((0, a), (0, None), (1, a), (1, a), (2, None), (3, a))
+    there = runs((0, b), (1, a), (2, a), (4, a))
+    assert warm_starts(here, there) == {0: "other", 1: "same", 2: "unknown"}
+    assert warm_starts(here[::-1], there[::-1]) == warm_starts(here, there)
+    assert warm_starts(runs((0, a), (0, b)), runs((0, a))) == {0: "other"}  # not one start here
+
+
 def test_the_shares_per_step_are_averaged_over_seeds_in_the_table_and_the_plot(tmp_path):
     """The all-wrong and zero-advantage shares step by step: the mean over the seeds that
     have the step (a seed with a missing value does not count as zero), in a table of the
