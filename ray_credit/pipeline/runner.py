@@ -76,10 +76,15 @@ calls' wall-clock intervals intersected).
 
 Checkpoints. :meth:`Pipeline.save` writes the learner (model, optimizer, scheduler, RNG,
 version) and ``pipeline.json`` (step, seed, data cursor) with every generated chunk not
-trained yet (Arrow IPC, written by a task on the driver's node, with its summary), each by
-absolute path or URI into ``checkpoint_dir`` (:mod:`ray_credit.pipeline.checkpointing`).
-:meth:`Pipeline.run` resumed from it stages those chunks again and regenerates only the
-chunks that were in flight, so no group is lost or trained twice.
+trained yet (Arrow IPC, written by a task on the driver's node, with its summary; staged
+once its stages have run), each by absolute path or URI into ``checkpoint_dir``
+(:mod:`ray_credit.pipeline.checkpointing`). It first waits for the chunks sampled with
+older weights than the learner's to be generated and staged: a resumed run could not
+make them again as they were. :meth:`Pipeline.run` resumed from it stages the kept chunks
+not staged yet and regenerates only the chunks that were in flight (sampled with the
+checkpoint's weights, and each with its seed from its place, they come out the same), so
+no group is lost or trained twice, and those sampled with older weights are trained as
+they were sampled and scored.
 """
 
 from __future__ import annotations
@@ -335,6 +340,18 @@ def _read_chunk(location: StoragePath) -> TrajectoryBatch:
     return TrajectoryBatch.from_ipc(location.read_bytes())
 
 
+CHECKPOINT_FORMAT = 3
+"""What :meth:`Pipeline.save` writes: 3 keeps a chunk staged when its stages have run (2,
+still read, kept every chunk as generated)."""
+_STAGED_REPORT = "staged_report"  # in a kept chunk's summary: its stages' report
+
+
+def _kept_batch(chunk: _Chunk) -> Any:
+    """What a checkpoint keeps of a generated chunk: the staged batch once its stages have
+    run (their signals came from the weights of their time), else the generated one."""
+    return chunk.staged if chunk.report is not None else chunk.batch
+
+
 def _buffered(checkpoint: StoragePath, chunk: _Chunk, suffix: str) -> StoragePath:
     """A buffered chunk's file in a checkpoint: its batch (``.arrow``, Arrow IPC) or its
     summary (``.json``)."""
@@ -529,8 +546,9 @@ class Pipeline:
     def run(self) -> list[dict[str, float]]:
         """Train until ``config.steps`` steps are done; return every step's metrics."""
         self._free_since = self._step_ended = time.perf_counter()
-        for chunk in self._chunks.values():  # restored from a checkpoint: stage them again
-            self._start_stages(chunk)
+        for chunk in self._chunks.values():  # restored from a checkpoint unstaged: stage them
+            if chunk.report is None:
+                self._start_stages(chunk)
         while self.step < self.config.steps:
             self._dispatch()
             self._start_training()
@@ -1059,29 +1077,40 @@ class Pipeline:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, folder: str | os.PathLike | StoragePath) -> StoragePath:
-        """Learner state, data cursor and every generated chunk not trained yet, in
-        ``folder/step_NNNNNN`` (called between steps: the learner is idle); then only the
-        newest ``keep_checkpoints`` are kept. ``folder``: a path (made absolute here, so
-        workers in other working directories write to the same place) or a URI (see
-        :mod:`ray_credit.pipeline.checkpointing`). Returns the step's folder."""
+        """Learner state, data cursor and every generated chunk not trained yet, staged
+        when its stages have run, in ``folder/step_NNNNNN`` (called between steps: the
+        learner is idle); then only the newest ``keep_checkpoints`` are kept. ``folder``: a
+        path (made absolute here, so workers in other working directories write to the
+        same place) or a URI (see :mod:`ray_credit.pipeline.checkpointing`). Returns the
+        step's folder.
+
+        A run resumed from it trains on what this run would have: the chunks sampled with
+        weights older than the learner's are waited for, generated and staged, and kept
+        (a resumed run has only the learner's weights, so it could neither sample them nor
+        score them as this run does); those sampled with the learner's weights may still
+        be in flight, since the resumed run makes them again the same way (the same
+        weights, and each chunk's seed from its place)."""
         import ray
 
         root = StoragePath(folder)
         staging = begin_save(root, self.step)
         self.learner.save(staging / LEARNER_DIR)  # rank 0 writes (uploads) its part there
+        self._settle_older_chunks()
         done = [c for c in self._chunks.values() if c.summary is not None]
         if done:  # the batches are written by tasks: the driver never holds one
             write = ray.remote(_write_chunk).options(
                 num_cpus=0, scheduling_strategy=_on_this_node()
             )
-            writes = [write.remote(_buffered(staging, c, ".arrow"), [c.batch]) for c in done]
+            writes = [write.remote(_buffered(staging, c, ".arrow"), [_kept_batch(c)]) for c in done]
             ray.get(writes, timeout=self.config.timeout_s)
             for c in done:
                 oldest = list(c.summary["oldest_versions"].items())
-                summary = json.dumps({**c.summary, "oldest_versions": oldest})
-                _buffered(staging, c, ".json").write_text(summary)
+                record = {**c.summary, "oldest_versions": oldest}
+                if c.report is not None:  # kept staged: its stages do not run again
+                    record[_STAGED_REPORT] = c.report
+                _buffered(staging, c, ".json").write_text(json.dumps(record))
         state = {
-            "format": 2,
+            "format": CHECKPOINT_FORMAT,
             "step": self.step,
             "policy_version": self.version,
             "groups_per_step": self.config.groups_per_step,
@@ -1091,10 +1120,40 @@ class Pipeline:
             # the running totals of faults and weight publications, so that a resumed
             # run's rows go on counting from where this one stopped
             "counters": {**self.failures, **self.publisher.metrics},
+            # the last learner calls (wall clock): a kept chunk's stages ran beside them
+            "trained_intervals": self._trained_intervals,
             "config": asdict(self.config),
             "metadata": self.metadata,
         }
         return end_save(root, self.step, state, keep=self.config.keep_checkpoints)
+
+    def _settle_older_chunks(self) -> None:
+        """Wait until no chunk sampled with weights older than the learner's is generating
+        or staging, handling each chunk event meanwhile as the loop does (a generator lost
+        under one sends it to be made again on the current weights, as it would be
+        anyway). Nothing new is dispatched, and the learner is idle."""
+
+        def unsettled() -> dict[Any, str]:
+            return {
+                ref: what
+                for ref, what in self._pending().items()
+                if what.startswith(("generation of", "the stages of"))
+                and self._chunk_of(ref).min_version < self.version
+            }
+
+        while pending := unsettled():
+            ready, _ = self._wait_killing_hung(list(pending), num_returns=1)
+            if not ready:
+                raise TimeoutError(
+                    f"nothing finished within {self.config.timeout_s:.0f}s while a checkpoint "
+                    f"waited on {', '.join(sorted(set(pending.values())))} (a hung actor? "
+                    "raise pipeline.timeout_s if legitimate)"
+                )
+            self._handle(ready)
+
+    def _chunk_of(self, ref: Any) -> _Chunk:
+        """The chunk whose generation or stages ``ref`` is."""
+        return next(c for c in self._chunks.values() if ref in (c.summary_ref, c.report_ref))
 
     def _restore(self, folder: str | os.PathLike | StoragePath) -> None:
         import ray
@@ -1102,9 +1161,10 @@ class Pipeline:
         folder = resolve_checkpoint(folder)
         state = checkpoint_state(folder)
         path = folder / STATE_FILE
-        if state.get("format") != 2:
+        if state.get("format") not in (2, CHECKPOINT_FORMAT):
             raise ValueError(
-                f"{path} has checkpoint format {state.get('format')}, this version reads 2; "
+                f"{path} has checkpoint format {state.get('format')}, this version reads 2 "
+                f"and {CHECKPOINT_FORMAT}; "
                 "resume with the ray_credit version that wrote it"
             )
         cfg = self.config
@@ -1130,6 +1190,7 @@ class Pipeline:
         for totals in (self.failures, self.publisher.metrics):
             for key in totals:
                 totals[key] = float(counters.get(key, 0.0))
+        self._trained_intervals = [tuple(i) for i in state.get("trained_intervals", [])]
         self.trained_groups = list(range(self.step * cfg.groups_per_step))
         self._next = self.step * cfg.groups_per_step
         read = ray.remote(_read_chunk).options(num_cpus=0, scheduling_strategy=_on_this_node())
@@ -1143,10 +1204,13 @@ class Pipeline:
                     f"buffered chunk summary {summary_file} is unreadable: {err}"
                 ) from err
             summary["oldest_versions"] = {int(v): n for v, n in summary["oldest_versions"]}
+            report = summary.pop(_STAGED_REPORT, None)
             batch_file = _buffered(folder, chunk, ".arrow")
             if not batch_file.is_file():
                 raise ValueError(f"buffered trajectories {batch_file} are missing")
             chunk.batch, chunk.summary = read.remote(batch_file), summary
+            if report is not None:  # staged by the run that wrote it, with its weights
+                chunk.staged, chunk.report = chunk.batch, report
             self._chunks[start] = chunk
 
 

@@ -358,6 +358,88 @@ def test_a_chunk_samples_as_its_place_in_the_run_says_whoever_rolls_it_out(
     assert seeds("resumed.jsonl") == {g: whole[g] for g in starts[2:]}  # its step 2
 
 
+class HeldAhead:
+    """A generator that holds each chunk past the first step's until the file ``go``
+    exists, so that the next step's chunks are still being sampled when a checkpoint is
+    written."""
+
+    def __init__(self, go, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.go = go
+
+    def generate_chunk(self, questions, **kwargs):
+        deadline = time.monotonic() + 120
+        while not re.search(r"groups \[[0-3],", kwargs["progress"]) and not os.path.exists(self.go):
+            assert time.monotonic() < deadline, f"{self.go} never came"
+            time.sleep(0.05)
+        return super().generate_chunk(questions, **kwargs)
+
+
+def _staged_groups(log):
+    """A stage that writes the groups of each batch it stages to ``log``."""
+
+    def staged(batch):
+        with open(log, "a") as out:
+            out.write(json.dumps(sorted(set(batch.column("group_id").to_pylist()))) + "\n")
+        return batch
+
+    return staged
+
+
+def test_a_checkpoint_keeps_the_chunks_sampled_with_older_weights_staged(
+    ray_cluster, world, retriever, live, tmp_path
+):
+    """A checkpoint written while the next step's chunks, sampled with the weights before
+    the step's update, are still generating waits for them and keeps them staged: a run
+    resumed from it, which has only the newer weights, trains on them as they were sampled
+    and scored, without staging them again."""
+    from ray_credit.actors.generator import Generator
+
+    held = ray_cluster.remote(type("Held", (HeldAhead, Generator), {}))
+    log, go = tmp_path / "staged.jsonl", tmp_path / "go"
+    config = PipelineConfig(
+        steps=2, groups_per_step=4, chunk_groups=2, max_staleness=1, checkpoint_every=1,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )  # fmt: skip
+
+    def run(learner, resume_from=None):
+        generators = [held.options(num_cpus=0.25).remote(str(go), "tiny-random", retriever, GEN)]
+        stages = [_staged_groups(str(log)), estimator_stage("grpo")]
+        pipe = Pipeline(generators, learner, world.questions[:10], stages, config,
+                        resume_from=resume_from)  # fmt: skip
+        restored = {s: c.report is not None for s, c in pipe._chunks.items()}
+        pipe.run()
+        ray_cluster.kill(generators[0])
+        return pipe, restored
+
+    learner = live[1]  # goes on from the earlier tests' version
+    save = learner.save
+
+    def save_then_go(folder):  # step 2's chunks are sampled once a checkpoint is begun
+        save(folder)
+        go.touch()
+
+    learner.save = save_then_go
+    try:
+        run(learner)
+    finally:
+        del learner.save
+    saved = tmp_path / "ckpt" / "step_000001"
+    state = json.loads((saved / "pipeline.json").read_text())
+    assert sorted(state["buffered"]) == [[4, 2], [6, 2]] and state["format"] == 3
+    for start, size in state["buffered"]:  # sampled before step 1's update, staged by then
+        kept = json.loads((saved / "buffer" / f"{start:09d}_{size}.json").read_text())
+        assert [v for v, _ in kept["oldest_versions"]] == [state["policy_version"] - 1]
+        assert kept["staged_report"]["trajectories"] == size * GEN.group_size
+    log.write_text("")
+    resumed_learner = LearnerGroup("tiny-random", LEARNING, resume_from=f"{saved}/learner")
+    resumed, restored = run(resumed_learner, resume_from=saved)
+    resumed_learner.shutdown()
+    assert restored == {4: True, 6: True}
+    assert log.read_text() == ""  # nothing staged again: step 2 was all kept
+    assert resumed.step == 2 and resumed.trained_groups == list(range(8))
+
+
 @pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
     ray_cluster, world, retriever, tmp_path
@@ -448,9 +530,10 @@ def test_a_scorer_killed_mid_run_comes_back_on_current_weights(ray_cluster, worl
 def test_a_resumed_run_scores_its_buffered_chunks_on_the_resumed_weights(
     ray_cluster, world, retriever, tmp_path
 ):
-    """IGPO resumed with a fresh scorer: the chunks its checkpoint buffered (sampled with
-    the saved weights) are scored at once, so the resumed weights reach every actor before
-    the first chunk; no stage fails on a scorer still on the base weights."""
+    """IGPO resumed with a fresh scorer: the chunks its checkpoint kept unstaged (here made
+    so: kept staged, they would not be scored again) are scored at once, so the resumed
+    weights reach every actor before the first chunk; no stage fails on a scorer still on
+    the base weights."""
     from ray_credit.actors.scorer import make_scorer_actor
     from ray_credit.pipeline import actor_stage
 
@@ -479,6 +562,11 @@ def test_a_resumed_run_scores_its_buffered_chunks_on_the_resumed_weights(
     cut = tmp_path / "ckpt" / "step_000002"
     state = json.loads((cut / "pipeline.json").read_text())
     assert state["step"] == 2 and state["buffered"]  # chunks sampled ahead, to score
+    for start, size in state["buffered"]:  # as a checkpoint keeps a chunk not staged yet
+        kept = cut / "buffer" / f"{start:09d}_{size}.json"
+        summary = json.loads(kept.read_text())
+        assert summary.pop("staged_report")["trajectories"] == size * GEN.group_size
+        kept.write_text(json.dumps(summary))
     second, history = run(3, resume_from=cut)
     assert second.step == 3 and second.trained_groups == list(range(12))
     assert history[-1]["pipeline/weight_target_failures"] == 0
