@@ -94,7 +94,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -662,10 +662,11 @@ class Pipeline:
             )
 
     # ----------------------------------------------------------------- events
-    def _wait(self) -> list:
-        """The refs that finished (at least one), within ``timeout_s``."""
+    def _wait(self, pending: dict[Any, str] | None = None) -> list:
+        """The refs that finished (at least one) of ``pending`` (ref -> what it is; by
+        default everything in flight), within ``timeout_s``."""
 
-        pending = self._pending()
+        pending = self._pending() if pending is None else pending
         if not pending:
             raise RuntimeError(
                 f"step {self.step} cannot proceed: nothing is generating, staging or "
@@ -730,18 +731,24 @@ class Pipeline:
             self._progress[g] = now  # not killed again while its calls fail
 
     def _pending(self) -> dict[Any, str]:
-        pending: dict[Any, str] = {}
-        for chunk in self._chunks.values():
-            if chunk.summary is None and chunk.summary_ref is not None:
-                pending[chunk.summary_ref] = f"generation of groups {chunk.groups}"
-            elif chunk.report_ref is not None and chunk.report is None:
-                pending[chunk.report_ref] = f"the stages of groups {chunk.groups}"
+        pending = self._chunks_pending(self._chunks.values())
         training = self._training
         if training is not None:
             if training.call is not None:
                 pending.update(dict.fromkeys(training.call.refs, f"the learner (step {self.step})"))
             elif training.step_refs and training.step_report is None:
                 pending[training.step_refs[1]] = f"the step stages of step {self.step}"
+        return pending
+
+    @staticmethod
+    def _chunks_pending(chunks: Iterable[_Chunk]) -> dict[Any, str]:
+        """The refs of ``chunks`` still generating or staging, each with what it is."""
+        pending: dict[Any, str] = {}
+        for chunk in chunks:
+            if chunk.summary is None and chunk.summary_ref is not None:
+                pending[chunk.summary_ref] = f"generation of groups {chunk.groups}"
+            elif chunk.report_ref is not None and chunk.report is None:
+                pending[chunk.report_ref] = f"the stages of groups {chunk.groups}"
         return pending
 
     def _handle(self, ready: list) -> None:
@@ -1132,28 +1139,10 @@ class Pipeline:
         or staging, handling each chunk event meanwhile as the loop does (a generator lost
         under one sends it to be made again on the current weights, as it would be
         anyway). Nothing new is dispatched, and the learner is idle."""
-
-        def unsettled() -> dict[Any, str]:
-            return {
-                ref: what
-                for ref, what in self._pending().items()
-                if what.startswith(("generation of", "the stages of"))
-                and self._chunk_of(ref).min_version < self.version
-            }
-
-        while pending := unsettled():
-            ready, _ = self._wait_killing_hung(list(pending), num_returns=1)
-            if not ready:
-                raise TimeoutError(
-                    f"nothing finished within {self.config.timeout_s:.0f}s while a checkpoint "
-                    f"waited on {', '.join(sorted(set(pending.values())))} (a hung actor? "
-                    "raise pipeline.timeout_s if legitimate)"
-                )
-            self._handle(ready)
-
-    def _chunk_of(self, ref: Any) -> _Chunk:
-        """The chunk whose generation or stages ``ref`` is."""
-        return next(c for c in self._chunks.values() if ref in (c.summary_ref, c.report_ref))
+        while pending := self._chunks_pending(
+            c for c in self._chunks.values() if c.min_version < self.version
+        ):
+            self._handle(self._wait(pending))
 
     def _restore(self, folder: str | os.PathLike | StoragePath) -> None:
         import ray
