@@ -134,7 +134,7 @@ class InfoGainScorer:
     def score(self, batch: TrajectoryBatch) -> TrajectoryBatch:
         """A new batch with ``turn_info_gain`` (and ``scorer/*`` metrics)."""
         batch.require(("input_ids", "token_turn", "gold_answers"), by="InfoGainScorer")
-        self._check_current(batch)
+        older = self._check_current(batch)
         start = time.perf_counter()
         ids_all, turns_all = batch.token_values("input_ids"), batch.token_values("token_turn")
         offsets = batch.token_offsets
@@ -155,16 +155,21 @@ class InfoGainScorer:
                 rows.append((ids[:end].tolist() + pseudo, int(end) + lo, int(end) + hi))
                 owners.append((i, k))
         scores, computed = self._mean_logprobs(rows)
-        return self._with_gains(batch, owners, scores, computed, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return self._with_gains(batch, owners, scores, computed, seconds, older)
 
-    def _check_current(self, batch: TrajectoryBatch) -> None:
+    def _check_current(self, batch: TrajectoryBatch) -> int:
         """Refuse a batch sampled with newer weights than these: its gains would be read
-        with another policy's beliefs (a restarted scorer is back on the base model)."""
+        with another policy's beliefs (a restarted scorer is back on the base model).
+        Returns how many of its turns were sampled with older weights than these (scored
+        by a newer policy than the one that acted: a pipeline makes none)."""
         import pyarrow.compute as pc
 
-        newest = pc.max(batch.column("turns").flatten().field("policy_version")).as_py()
+        versions = batch.column("turns").flatten().field("policy_version")
+        newest = pc.max(versions).as_py()
         if newest is None or newest <= self.policy_version:
-            return
+            older = pc.sum(pc.less(versions, self.policy_version)).as_py()
+            return int(older or 0)
         context = _actor_context()
         raise WeightsBehind(
             f"the scorer holds weights version {self.policy_version} but the batch was "
@@ -173,7 +178,9 @@ class InfoGainScorer:
             actor_id=context.get_actor_id() if context else None,
         )
 
-    def _with_gains(self, batch, owners, scores, computed: int, seconds: float) -> TrajectoryBatch:
+    def _with_gains(
+        self, batch, owners, scores, computed: int, seconds: float, older: int
+    ) -> TrajectoryBatch:
         per_traj: dict[int, dict[int, float]] = {}
         for (i, k), m in zip(owners, scores, strict=True):
             per_traj.setdefault(i, {})[k] = m
@@ -199,6 +206,8 @@ class InfoGainScorer:
             "scorer/nonfinite": float(nonfinite),
             "scorer/seconds": seconds,
             "scorer/policy_version": float(self.policy_version),
+            # turns scored by a newer policy than the one that sampled them
+            "scorer/turns_on_newer_weights": float(older),
             # Ray restarted this process after the last one died: said once, with the
             # first batch it scores (summed over a step's chunks: the step's restarts)
             "scorer/restarts": float(self._restarted),

@@ -23,7 +23,10 @@ learner's current step the way generation does; a chunk holds whole groups, so a
 group-local estimator gives the same advantages per chunk as per step. ``step_stages``
 (for an estimator that is not group-local) run once per step, on the step's chunks
 together, in a task. The driver submits work and reacts to what finishes; it never waits
-on the learner while there is something to dispatch or stage.
+on the learner while there is something to dispatch or stage. Weight targets (the
+info-gain scorer, which reads the policy's beliefs) score each chunk with the weights
+that sampled it: they are sent a version once every chunk sampled with older weights is
+staged, and a chunk's stages start once they hold its version.
 
 Admission control (DESIGN.md section 6). A chunk whose last group is ``j`` starts only
 while ``j < (max_staleness + version + 1) * B``, ``version`` being the learner's. Group
@@ -416,7 +419,9 @@ class Pipeline:
         config: :class:`PipelineConfig`.
         step_stages: callables run once per step on the step's chunks together, after
             ``stages`` (an estimator whose statistics span groups).
-        weight_targets: more actors to publish weights to (an info-gain scorer).
+        weight_targets: actors that stages call with the policy's weights (an info-gain
+            scorer; ``update_weights``, ``get_policy_version``): each chunk's stages run
+            while they hold the weights that sampled it.
         resume_from: a checkpoint folder written by :meth:`save`, a path or a URI (the
             learner must have been built from the same folder: ``LearnerGroup(resume_from=...)``).
         on_step: called with each step's metrics dict (progress display, loggers).
@@ -470,15 +475,7 @@ class Pipeline:
         # exception a stage raises is not retried.
         self._stage_task = ray.remote(_run_stages).options(num_returns=2, num_cpus=cfg.stage_cpus)
         self.chunk = cfg.chunk_groups or max(1, math.ceil(cfg.groups_per_step / len(generators)))
-        targets = [*self.generators, *weight_targets]
-        names = [f"generator{i}" for i in range(len(self.generators))] + [
-            f"target{i}" for i in range(len(weight_targets))
-        ]
-        # a weight target (the scorer) that dies fails the stage calling it: its index in
-        # the publisher's targets, by the actor id the error names
-        self._target_index = {
-            t._actor_id.hex(): len(self.generators) + i for i, t in enumerate(weight_targets)
-        }
+        names = [f"generator{i}" for i in range(len(self.generators))]
         if cfg.weight_sync != "object_store" and weight_targets:
             raise ValueError(
                 f"weight_sync={cfg.weight_sync!r} broadcasts to generators only; the weight "
@@ -486,11 +483,25 @@ class Pipeline:
                 "weight_sync='object_store' with them"
             )
         if cfg.weight_sync == "object_store":
-            self.publisher = WeightPublisher(targets, timeout_s=cfg.timeout_s, names=names)
+            self.publisher = WeightPublisher(self.generators, timeout_s=cfg.timeout_s, names=names)
         else:
             self.publisher = CollectivePublisher(
-                targets, learner, backend=cfg.weight_sync, timeout_s=cfg.timeout_s, names=names
-            )
+                self.generators, learner, backend=cfg.weight_sync, timeout_s=cfg.timeout_s,
+                names=names,
+            )  # fmt: skip
+        # The weight targets (an info-gain scorer) score each chunk with the weights that
+        # sampled it: they load a version once every chunk sampled with older weights is
+        # staged, and a chunk's stages start once they hold its version (_advance_targets).
+        self.target_publisher = WeightPublisher(
+            weight_targets,
+            timeout_s=cfg.timeout_s,
+            names=[f"target{i}" for i in range(len(weight_targets))],
+        )
+        # a weight target that dies fails the stage calling it: its index, by the actor id
+        # the error names
+        self._target_index = {t._actor_id.hex(): i for i, t in enumerate(weight_targets)}
+        self._unloaded: dict[int, Any] = {}  # versions published, not yet for the targets
+        self._waiting: list[_Chunk] = []  # generated, waiting for the targets' version
         self.step = 0
         self.version = int(learner.policy_version)
         self._next = 0  # stream index of the next group to dispatch
@@ -554,6 +565,7 @@ class Pipeline:
             self._start_training()
             self._handle(self._wait())
         self._wait_publication()
+        self._wait_targets()
         return self.history
 
     def _admissible_end(self) -> int:
@@ -732,6 +744,7 @@ class Pipeline:
 
     def _pending(self) -> dict[Any, str]:
         pending = self._chunks_pending(self._chunks.values())
+        pending.update(self._targets_pending())
         training = self._training
         if training is not None:
             if training.call is not None:
@@ -740,16 +753,25 @@ class Pipeline:
                 pending[training.step_refs[1]] = f"the step stages of step {self.step}"
         return pending
 
-    @staticmethod
-    def _chunks_pending(chunks: Iterable[_Chunk]) -> dict[Any, str]:
-        """The refs of ``chunks`` still generating or staging, each with what it is."""
+    def _chunks_pending(self, chunks: Iterable[_Chunk]) -> dict[Any, str]:
+        """The refs of ``chunks`` still generating or staging (or waiting for the weight
+        targets to load their version), each with what it is."""
         pending: dict[Any, str] = {}
         for chunk in chunks:
             if chunk.summary is None and chunk.summary_ref is not None:
                 pending[chunk.summary_ref] = f"generation of groups {chunk.groups}"
             elif chunk.report_ref is not None and chunk.report is None:
                 pending[chunk.report_ref] = f"the stages of groups {chunk.groups}"
+            elif chunk in self._waiting:
+                pending.update(self._targets_pending())
         return pending
+
+    def _targets_pending(self) -> dict[Any, str]:
+        version = self.target_publisher.version
+        return dict.fromkeys(
+            self.target_publisher.pending_refs(),
+            f"the weight targets loading weights version {version}",
+        )
 
     def _handle(self, ready: list) -> None:
         done = set(ready)
@@ -758,6 +780,8 @@ class Pipeline:
                 self._on_generated(chunk)
             elif chunk.report is None and chunk.report_ref in done:
                 self._on_staged(chunk)
+        if done.intersection(self.target_publisher.pending_refs()):
+            self._wait_targets()
         training = self._training
         if training is None:
             return
@@ -818,9 +842,62 @@ class Pipeline:
         chunk.generator, chunk.batch, chunk.summary_ref, chunk.summary = -1, None, None, None
         chunk.staged = chunk.report_ref = chunk.report = None
         self._redo.append(chunk)
+        self._advance_targets()  # it samples anew: it holds the weight targets back no more
 
     def _start_stages(self, chunk: _Chunk) -> None:
+        """Start the chunk's stages, once the weight targets hold the weights that sampled
+        it (or newer ones, for a chunk that was sampled before they could: counted by the
+        scorer, ``scorer/turns_on_newer_weights``)."""
+        targets = self.target_publisher
+        if targets.targets and (
+            targets.pending_refs() or chunk.min_version > (targets.version or 0)
+        ):
+            self._waiting.append(chunk)
+            self._advance_targets()
+            return
         chunk.staged, chunk.report_ref = self._stage_task.remote(self._stages, [chunk.batch])
+
+    def _advance_targets(self) -> None:
+        """Have the weight targets load the oldest weights that sampled a chunk not staged
+        yet (the newest published when there is none), unless a load is in flight: never
+        newer than any chunk still to stage needs. Chunks made again (``_redo``) sample
+        with the weights current when they are sent, so they do not hold the targets back.
+        A chunk sampled with weights no longer held (restored from an older checkpoint
+        format) gets the oldest newer ones."""
+        targets = self.target_publisher
+        if not targets.targets or targets.pending_refs():
+            return
+        held = targets.version or 0
+        needed = min(
+            (
+                c.min_version
+                for c in self._chunks.values()
+                if c.report is None and c not in self._redo and c.min_version >= held
+            ),
+            default=self.version,
+        )
+        if needed > held and (newer := [v for v in self._unloaded if v >= needed]):
+            version = min(newer)
+            targets.publish(version, self._unloaded[version])
+            self._unloaded = {v: w for v, w in self._unloaded.items() if v > version}
+
+    def _wait_targets(self) -> None:
+        """Wait for the weight targets' load in flight (a target that died is brought back
+        on these weights), then start the stages of the chunks that waited for it."""
+        from ray_credit.pipeline.weights import WeightSyncError
+
+        if self.target_publisher.pending_refs():
+            try:
+                self.target_publisher.wait()
+            except WeightSyncError as err:
+                if not err.died or {i for i, _ in err.failed} - set(err.died):
+                    raise  # not a death: a version refused, or no answer
+                for i in err.died:
+                    self._recover_target(i)
+        waiting, self._waiting = self._waiting, []
+        for chunk in waiting:
+            self._start_stages(chunk)
+        self._advance_targets()
 
     def _on_staged(self, chunk: _Chunk) -> None:
         import ray
@@ -846,6 +923,7 @@ class Pipeline:
                 self._start_stages(chunk)
                 return
             raise self._stage_error(err, f"groups {chunk.groups}") from err
+        self._advance_targets()  # maybe the last chunk sampled with the targets' weights
 
     def _report(self, ref: Any, what: str) -> dict:
         import ray
@@ -888,7 +966,7 @@ class Pipeline:
         self._publish()
         out["time/wait_publication_s"] = t1 - t0
         out["time/publish_submit_s"] = time.perf_counter() - t1
-        out.update(self.publisher.metrics)
+        out.update(self._sync_metrics())
         out.update(self.failures)
         self._dispatch()  # the new version admits more groups: start them first
         out.update(
@@ -951,7 +1029,7 @@ class Pipeline:
 
         self.failures["pipeline/generator_failures"] += 1
         try:
-            self._bring_current(g)
+            self._bring_current(self.publisher, g)
             self._progress[g] = time.monotonic()  # its restart is not time spent hung
         except (ray.exceptions.RayActorError, WeightSyncError, TimeoutError):
             ray.kill(self.generators[g], no_restart=True)  # never half-alive in the pool
@@ -972,10 +1050,10 @@ class Pipeline:
 
         from ray_credit.pipeline.weights import WeightSyncError
 
-        name = self.publisher.names[index]
+        name = self.target_publisher.names[index]
         self.failures["pipeline/weight_target_failures"] += 1
         try:
-            self._bring_current(index)
+            self._bring_current(self.target_publisher, index)
         except (ray.exceptions.RayActorError, WeightSyncError, TimeoutError) as err:
             raise RuntimeError(
                 f"{name} (a weight target: the info-gain scorer) died and did not come back "
@@ -994,10 +1072,13 @@ class Pipeline:
         Actors ahead of the learner served another learner: refused, by name, since
         their turns would be labelled with versions this learner never had.
         """
-        targets, names = self.publisher.targets, self.publisher.names
-        versions = [self._await_actor(t, n) for t, n in zip(targets, names, strict=True)]
+        publishers = (self.publisher, self.target_publisher)
+        actors = [(p, i) for p in publishers for i in range(len(p.targets))]
+        versions = [self._await_actor(p.targets[i], p.names[i]) for p, i in actors]
         ahead = [
-            f"{n} (version {v})" for n, v in zip(names, versions, strict=True) if v > self.version
+            f"{p.names[i]} (version {v})"
+            for (p, i), v in zip(actors, versions, strict=True)
+            if v > self.version
         ]
         if ahead:
             raise ValueError(
@@ -1005,35 +1086,57 @@ class Pipeline:
                 "they hold weights of another learner's run. Give this run new generators "
                 "(make_generator_actor), or the learner they trained with"
             )
-        behind = [i for i, v in enumerate(versions) if v < self.version]
-        if len(behind) == len(targets):  # a resumed learner's weights, to fresh actors
+        behind = [a for a, v in zip(actors, versions, strict=True) if v < self.version]
+        if len(behind) == len(actors):  # a resumed learner's weights, to fresh actors
             self._publish()
             # in place before the first chunk: the chunks the checkpoint buffered, sampled
             # with these weights, go to the scorer's stage at once (a generator that died
             # meanwhile is recovered, as during the run)
             self._wait_publication()
+            self._wait_targets()
             return
         if self.version == 0:  # fresh actors, a fresh learner
             return
         # the actors go on from an earlier run on this learner: nothing to send to them
-        sends_itself = self.publisher.sends_itself
-        self.publisher.adopt(self.version, None if sends_itself else self.learner.weights())
-        for i in behind:  # Ray restarted it after that run's last publication
-            self.publisher.resync(i)
+        weights = None if self.publisher.sends_itself else self.learner.weights()
+        for publisher in publishers:
+            publisher.adopt(self.version, weights if publisher.targets else None)
+        for publisher, i in behind:  # Ray restarted it after that run's last publication
+            publisher.resync(i)
 
     def _publish(self) -> None:
-        self._epoch_published = list(self._epoch)
-        sends_itself = self.publisher.sends_itself
-        self.publisher.publish(self.version, None if sends_itself else self.learner.weights())
+        import ray
 
-    def _bring_current(self, index: int) -> None:
-        """Weight target ``index`` (a generator, or the scorer after them) once it answers,
-        re-sent the last published weights when it is back on older ones (Ray restarted it
-        on the base model)."""
-        version = self._await_actor(self.publisher.targets[index], self.publisher.names[index])
-        published = self.publisher.version
+        self._epoch_published = list(self._epoch)
+        if self.publisher.sends_itself:
+            self.publisher.publish(self.version, None)
+            return
+        weights = self.learner.weights()
+        if not isinstance(weights, ray.ObjectRef):  # once in the object store, for both
+            weights = ray.put(weights)
+        self.publisher.publish(self.version, weights)
+        if self.target_publisher.targets:
+            self._unloaded[self.version] = weights
+            self._advance_targets()
+
+    def _sync_metrics(self) -> dict[str, float]:
+        """Running totals of weight transfers: the generators' publications, the weight
+        targets' loads, and the re-sends to a restarted actor of either kind."""
+        generators, targets = self.publisher.metrics, self.target_publisher.metrics
+        return {
+            "sync/publications": generators["sync/publications"],
+            "sync/target_loads": targets["sync/publications"],
+            "sync/resyncs": generators["sync/resyncs"] + targets["sync/resyncs"],
+        }
+
+    def _bring_current(self, publisher: Any, index: int) -> None:
+        """``publisher``'s target ``index`` (a generator, or a weight target) once it
+        answers, re-sent the last weights published to it when it is back on older ones
+        (Ray restarted it on the base model)."""
+        version = self._await_actor(publisher.targets[index], publisher.names[index])
+        published = publisher.version
         if published is not None and version < published:
-            self.publisher.resync(index)
+            publisher.resync(index)
 
     def _await_actor(self, actor: Any, name: str) -> int:
         """``actor``'s policy version once it answers (Ray restarted it and its model
@@ -1070,9 +1173,7 @@ class Pipeline:
             if not err.died or undead:  # the learner's side, or not a death
                 raise
             for i in err.died:
-                if i >= len(self.generators):  # the scorer: back, then on current weights
-                    self._recover_target(i)
-                elif (
+                if (
                     not self._queued[i]  # no call of its own to fail
                     and i not in self._lost
                     # a death after the weights were sent, not one already handled (its
@@ -1126,7 +1227,7 @@ class Pipeline:
             "buffered": [[c.start, c.size] for c in done],
             # the running totals of faults and weight publications, so that a resumed
             # run's rows go on counting from where this one stopped
-            "counters": {**self.failures, **self.publisher.metrics},
+            "counters": {**self.failures, **self._sync_metrics()},
             # the last learner calls (wall clock): a kept chunk's stages ran beside them
             "trained_intervals": self._trained_intervals,
             "config": asdict(self.config),
@@ -1179,6 +1280,8 @@ class Pipeline:
         for totals in (self.failures, self.publisher.metrics):
             for key in totals:
                 totals[key] = float(counters.get(key, 0.0))
+        loads = float(counters.get("sync/target_loads", 0.0))
+        self.target_publisher.metrics["sync/publications"] = loads
         self._trained_intervals = [tuple(i) for i in state.get("trained_intervals", [])]
         self.trained_groups = list(range(self.step * cfg.groups_per_step))
         self._next = self.step * cfg.groups_per_step
@@ -1193,6 +1296,7 @@ class Pipeline:
                     f"buffered chunk summary {summary_file} is unreadable: {err}"
                 ) from err
             summary["oldest_versions"] = {int(v): n for v, n in summary["oldest_versions"]}
+            chunk.min_version = min(summary["oldest_versions"], default=0)  # sampled with
             report = summary.pop(_STAGED_REPORT, None)
             batch_file = _buffered(folder, chunk, ".arrow")
             if not batch_file.is_file():

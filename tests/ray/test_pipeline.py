@@ -440,6 +440,59 @@ def test_a_checkpoint_keeps_the_chunks_sampled_with_older_weights_staged(
     assert resumed.step == 2 and resumed.trained_groups == list(range(8))
 
 
+class Recorded:
+    """An info-gain scorer that keeps, for each batch it scores, the weights versions that
+    sampled it and the version it scores with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scored = []
+
+    def score(self, batch):
+        turns = batch.column("turns").to_pylist()
+        sampled = sorted({turn["policy_version"] for row in turns for turn in row})
+        self.scored.append((sampled, self.policy_version))
+        return super().score(batch)
+
+    def scored_versions(self):
+        return self.scored
+
+
+def test_each_chunk_is_scored_with_the_weights_that_sampled_it(
+    ray_cluster, world, retriever, live, tmp_path
+):
+    """IGPO's information gain is the acting policy's change of belief. The next step's
+    chunks, sampled with the weights before an update, finish generating once the newer
+    weights are published (held until then), and are scored with the weights that sampled
+    them all the same: the scorer loads the newer ones once they are staged."""
+    from ray_credit.actors.generator import Generator
+    from ray_credit.actors.scorer import InfoGainScorer
+    from ray_credit.pipeline import actor_stage
+
+    held = ray_cluster.remote(type("Held", (HeldAhead, Generator), {}))
+    go = tmp_path / "published"
+    generators = [held.options(num_cpus=0.25).remote(str(go), "tiny-random", retriever, GEN)]
+    recorded = ray_cluster.remote(type("RecordedScorer", (Recorded, InfoGainScorer), {}))
+    scorer = recorded.options(num_cpus=0.25).remote("tiny-random")
+    learner = live[1]  # goes on from the earlier tests' version
+    start = learner.policy_version
+    stages = [actor_stage(scorer.score, name="info_gain"), estimator_stage("igpo")]
+    config = PipelineConfig(steps=3, groups_per_step=4, chunk_groups=2, max_staleness=1)
+    pipe = Pipeline(generators, learner, world.questions[:10], stages, config,
+                    weight_targets=[scorer], on_step=lambda _: go.touch())  # fmt: skip
+    history = pipe.run()
+    scored = ray_cluster.get(scorer.scored_versions.remote())
+    assert len(scored) == 6  # each chunk once
+    assert all(sampled == [held] for sampled, held in scored), scored
+    assert {held for _, held in scored} == {start, start + 1}  # steps 1 and 2 sampled ahead
+    assert sum(h["scorer/turns_on_newer_weights"] for h in history) == 0
+    # the scorer loaded each version a chunk was sampled with, then the last one
+    assert history[-1]["sync/target_loads"] == 3 + (start > 0)  # (first, the learner's)
+    assert ray_cluster.get(scorer.get_policy_version.remote()) == start + 3
+    for actor in [*generators, scorer]:
+        ray_cluster.kill(actor)
+
+
 @pytest.mark.e2e  # an actor killed mid-run: the second test command
 def test_a_hung_generator_is_killed_restarted_and_its_chunk_redone(
     ray_cluster, world, retriever, tmp_path

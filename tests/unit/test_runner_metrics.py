@@ -14,6 +14,7 @@ from ray_credit.pipeline.report import (
     staleness_of,
     step_metrics,
 )
+from ray_credit.pipeline.weights import WeightPublisher
 from ray_credit.signals import get_signal
 from ray_credit.testing import make_batch, random_batch
 
@@ -184,6 +185,120 @@ def test_a_failed_publication_on_the_learner_side_is_never_swallowed():
     assert recovered == [1] and pipeline._epoch == [1, 1]
 
 
+class _Loads(WeightPublisher):
+    """A weight publisher for one target (the scorer) that records what it is sent; a load
+    stays in flight until ``wait``."""
+
+    def __init__(self):
+        super().__init__(["scorer"], names=["target0"])
+        self.loads: list[tuple[int, str]] = []
+
+    def _send(self, version, weights):
+        self.loads.append((version, weights))
+        self._pending = [(0, f"load of version {version}")]
+
+    def wait(self):
+        self._pending = []
+        return 0.0
+
+
+def _gated_pipeline(targets):
+    """A Pipeline's stage bookkeeping with weight targets, no Ray: each chunk's stages are
+    recorded with the weights version the targets hold when they start."""
+    from ray_credit.pipeline.runner import Pipeline
+
+    pipeline = object.__new__(Pipeline)
+    pipeline.target_publisher, pipeline.version, pipeline._chunks = targets, 0, {}
+    pipeline._unloaded, pipeline._waiting, pipeline._redo = {}, [], []
+    pipeline.failures, pipeline._stages = {"pipeline/chunks_redone": 0.0}, "stages"
+    staged = []
+
+    class StageTask:
+        @staticmethod
+        def remote(stages, batches):
+            staged.append((batches[0], targets.version or 0))
+            return f"{batches[0]} staged", f"{batches[0]} report"
+
+    pipeline._stage_task = StageTask
+    return pipeline, staged
+
+
+def _generated(pipeline, start, version):
+    from ray_credit.pipeline.runner import _Chunk
+
+    chunk = _Chunk(start, 1, generator=0, min_version=version, batch=f"chunk{start}")
+    chunk.summary = {"oldest_versions": {version: 4}}
+    pipeline._chunks[start] = chunk
+    return chunk
+
+
+def _published(pipeline, version):
+    """What Pipeline._publish does for the weight targets."""
+    pipeline.version = version
+    pipeline._unloaded[version] = f"w{version}"
+    pipeline._advance_targets()
+
+
+def test_each_chunk_is_scored_with_the_weights_that_sampled_it():
+    """The weight targets (the info-gain scorer) load a version only once every chunk
+    sampled with older weights is staged, and a chunk's stages wait until they hold its
+    version: never scored by a newer policy than the one that acted, whatever the order in
+    which generation, staging and training finish."""
+    targets = _Loads()
+    pipeline, staged = _gated_pipeline(targets)
+    a, b = _generated(pipeline, 0, 0), _generated(pipeline, 1, 0)
+    pipeline._start_stages(a)
+    pipeline._start_stages(b)
+    assert staged == [("chunk0", 0), ("chunk1", 0)]
+    _published(pipeline, 1)  # the learner trained: version 1 to the generators
+    c = _generated(pipeline, 2, 1)
+    pipeline._start_stages(c)  # sampled with version 1, the scorer still on 0: it waits
+    assert targets.loads == [] and pipeline._waiting == [c]
+    a.report = {}
+    pipeline._advance_targets()  # b, sampled with version 0, is still in its stages
+    assert targets.loads == []
+    b.report = {}
+    pipeline._advance_targets()
+    assert targets.loads == [(1, "w1")] and pipeline._waiting == [c]  # loading
+    assert pipeline._targets_pending() == {
+        "load of version 1": "the weight targets loading weights version 1"
+    }
+    pipeline._wait_targets()  # loaded: c's stages start on the weights that sampled it
+    assert staged[-1] == ("chunk2", 1) and pipeline._waiting == []
+    # Two versions published while a chunk sampled with the older one generates; one
+    # made again (its generator died) holds nothing back: it samples anew.
+    _published(pipeline, 2)
+    d = _generated(pipeline, 3, 2)
+    d.summary = None  # still generating
+    _published(pipeline, 3)
+    e = _generated(pipeline, 4, 3)
+    pipeline._start_stages(e)
+    c.report = {}
+    pipeline._advance_targets()
+    assert targets.loads[-1] == (2, "w2")  # d's weights, not the newest
+    pipeline._wait_targets()
+    assert pipeline._waiting == [e]
+    pipeline._redo_chunk(d, "pipeline/chunks_redone")
+    assert targets.loads[-1] == (3, "w3") and list(pipeline._unloaded) == []
+    pipeline._wait_targets()
+    assert staged[-1] == ("chunk4", 3) and pipeline._waiting == []
+    # A chunk sampled with weights no longer held (restored from an older checkpoint
+    # format) is staged at once, on the newer weights: the scorer counts its turns.
+    old = _generated(pipeline, 5, 1)
+    pipeline._start_stages(old)
+    assert staged[-1] == ("chunk5", 3)
+
+
+def test_without_weight_targets_a_chunk_is_staged_at_once():
+    from ray_credit.pipeline.weights import WeightPublisher
+
+    pipeline, staged = _gated_pipeline(WeightPublisher([]))
+    _published(pipeline, 4)
+    pipeline._start_stages(_generated(pipeline, 0, 2))
+    pipeline._start_stages(_generated(pipeline, 1, 4))
+    assert staged == [("chunk0", 0), ("chunk1", 0)] and pipeline._unloaded == {4: "w4"}
+
+
 def _stream_pipeline(**config):
     """A Pipeline's dispatch bookkeeping, no Ray: submissions are recorded."""
     from ray_credit.pipeline.runner import Pipeline, PipelineConfig
@@ -202,6 +317,8 @@ def _stream_pipeline(**config):
     pipeline._incarnation = [None, None, None]
     pipeline.chunk = pipeline.config.chunk_groups or pipeline.config.groups_per_step
     pipeline.failures = {"pipeline/chunks_redone": 0.0, "pipeline/stale_chunks_redone": 0.0}
+    pipeline.target_publisher = WeightPublisher([])  # no weight targets
+    pipeline._unloaded, pipeline._waiting = {}, []
     submitted = []
 
     def submit(chunk, g):

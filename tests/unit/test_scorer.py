@@ -148,7 +148,24 @@ def test_a_scorer_behind_the_batchs_weights_refuses_it():
                        "with version 2"):  # fmt: skip
         scorer.score(batch)
     scorer.update_weights(2, model.state_dict())
-    assert "turn_info_gain" in scorer.score(batch)
+    scored = scorer.score(batch)
+    assert "turn_info_gain" in scored
+    assert scored.metrics["scorer/turns_on_newer_weights"] == 0  # the weights that acted
+
+
+def test_turns_scored_by_a_newer_policy_than_sampled_them_are_counted():
+    """IG is the acting policy's belief change: a turn scored with newer weights than
+    sampled it is a departure, counted per turn (a pipeline makes none)."""
+    model, tokenizer = load_model("tiny-random")
+    records = token_batch(tokenizer, TRAJECTORIES).to_records()
+    for n, row in enumerate(records):  # the first sampled with version 1, the others 0
+        row["turns"] = [{**turn, "policy_version": int(n == 0)} for turn in row["turns"]]
+    batch = TrajectoryBatch.from_records(records)
+    scorer = InfoGainScorer((model, tokenizer))
+    scorer.update_weights(1, model.state_dict())
+    older = sum(len(row["turns"]) for row in records[1:])
+    assert older > 0
+    assert scorer.score(batch).metrics["scorer/turns_on_newer_weights"] == older
 
 
 def test_a_restart_is_counted_once():
