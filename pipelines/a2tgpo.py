@@ -1,7 +1,7 @@
 """A2TGPO: turn-group normalized information gain and adaptive turn clipping (A²TGPO,
-arXiv 2605.06200; docs/estimators.md). An info-gain scorer on the current policy weights
-fills turn_info_gain (log-probability gains, as A²TGPO's code) on each chunk as it is
-generated; the learner trains with A²TGPO's turn-level ratio, its clip range (3e-3 /
+arXiv 2605.06200; docs/estimators.md). An info-gain scorer, on the weights that sampled
+each chunk, fills turn_info_gain (log-probability gains, as A²TGPO's code) on it as it
+is generated; the learner trains with A²TGPO's turn-level ratio, its clip range (3e-3 /
 4e-3, scaled per turn by turn_clip_scale) and no KL.
 
     python pipelines/a2tgpo.py [--help] [--config my.yaml]

@@ -1,6 +1,6 @@
 """IGPO: information-gain turn rewards, the gold answer's probability rising across turns
-(IGPO, arXiv 2510.14967; docs/estimators.md). An info-gain scorer on the current policy
-weights fills turn_info_gain on each chunk as it is generated. Trains end to end, with
+(IGPO, arXiv 2510.14967; docs/estimators.md). An info-gain scorer, on the weights that
+sampled each chunk, fills turn_info_gain on it as it is generated. Trains end to end, with
 the paper's KL loss (0.001).
 
     python pipelines/igpo.py [--help] [--config my.yaml]

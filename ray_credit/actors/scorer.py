@@ -1,4 +1,4 @@
-"""InfoGainScorer: per-turn information gain of the gold answer under the current policy.
+"""InfoGainScorer: per-turn information gain of the gold answer under the policy that acted.
 
 IGPO (arXiv 2510.14967; ALGORITHMS.md 6.1) and A2TGPO (ALGORITHMS.md 7.2) reward a turn by
 how much it raised the policy's belief in the gold answer. For trajectory ``i`` with
@@ -26,6 +26,13 @@ Each (trajectory, boundary) is one row of a batched forward pass, rows sorted by
 into micro-batches; only the logits of the pseudo-response positions are computed. A row
 that repeats another (every trajectory of a group has the same context before its first
 turn) is computed once (``scorer/rows_reused``).
+
+The policy is the one that sampled the batch: IGPO's code scores with the rollout
+policy. A pipeline sends the scorer each version once the chunks sampled with older
+weights are scored, and has it score a chunk only while it holds the chunk's version
+(:class:`~ray_credit.pipeline.Pipeline`'s weight targets). A batch sampled with newer
+weights than the scorer's is refused (:class:`WeightsBehind`); turns sampled with older
+ones are scored and counted (``scorer/turns_on_newer_weights``).
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def make_plan(
             question_signals += _check_judged(signal, backend, questions)
         elif config.pipeline.weight_sync != "object_store":
             raise InputError(
-                f"the {signal.name} signal scores with the current policy, whose weights reach "
+                f"the {signal.name} signal scores with the policy's weights, which reach "
                 f"the scorer through the object store; pipeline.weight_sync="
                 f"{config.pipeline.weight_sync!r} broadcasts to generators only: use "
                 "--pipeline.weight_sync object_store"

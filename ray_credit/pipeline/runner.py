@@ -278,7 +278,7 @@ def actor_stage(method: Any, *, name: str | None = None, timeout_s: float = 1800
             return ray.get(method.remote(batch), timeout=timeout_s)
         except ray.exceptions.OutOfMemoryError as err:
             # A death names its actor (``actor_id``) and the driver brings that actor back
-            # (the scorer: on the current weights) and redoes the stage; a kill by Ray's
+            # (the scorer: on the weights it held) and redoes the stage; a kill by Ray's
             # memory monitor does not, so the stage names it.
             actor = getattr(getattr(method, "_actor", None), "_actor_id", None)
             raise StageError(

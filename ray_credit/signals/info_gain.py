@@ -1,11 +1,11 @@
 """Information gain: how much each turn raised the policy's belief in the gold answer.
 
 IGPO (arXiv 2510.14967, ALGORITHMS.md 6.1) and A²TGPO (ALGORITHMS.md 7.2) reward a turn by
-the change in the current policy's probability of the gold answer from the context before
+the change in the acting policy's probability of the gold answer from the context before
 the turn to the context after it (its observation included). The
 :class:`~ray_credit.actors.scorer.InfoGainScorer` computes it with batched forward passes
-of the policy; the pipeline keeps that actor on the learner's current weights and runs it
-on every chunk as it is generated. Column: ``turn_info_gain`` (float32 per turn, null on
+of the policy; the pipeline runs it on every chunk as it is generated, with the weights
+that sampled the chunk. Column: ``turn_info_gain`` (float32 per turn, null on
 the final turn and where the score is not finite).
 
 Settings: ``mode`` (``prob_diff``: ``exp(m_after) - exp(m_before)``, IGPO's default;
