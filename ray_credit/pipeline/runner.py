@@ -890,8 +890,8 @@ class Pipeline:
             try:
                 self.target_publisher.wait()
             except WeightSyncError as err:
-                if not err.died or {i for i, _ in err.failed} - set(err.died):
-                    raise  # not a death: a version refused, or no answer
+                if not err.only_deaths:
+                    raise  # a version refused, or no answer
                 for i in err.died:
                     self._recover_target(i)
         waiting, self._waiting = self._waiting, []
@@ -1169,8 +1169,7 @@ class Pipeline:
         try:
             self.publisher.wait()
         except WeightSyncError as err:
-            undead = {i for i, _ in err.failed} - set(err.died)
-            if not err.died or undead:  # the learner's side, or not a death
+            if not err.only_deaths:  # the learner's side, or not a death
                 raise
             for i in err.died:
                 if (

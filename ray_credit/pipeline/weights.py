@@ -48,6 +48,12 @@ class WeightSyncError(RuntimeError):
         self.failed = list(failed)
         self.died = list(died)
 
+    @property
+    def only_deaths(self) -> bool:
+        """Every target that failed died (each can be brought back); False for a failure
+        on the learner's side, a version refused, or a target that did not answer."""
+        return bool(self.died) and not {i for i, _ in self.failed} - set(self.died)
+
 
 class WeightPublisher:
     """Publish versioned weights to actors with ``update_weights(version, weights)``.
