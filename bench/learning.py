@@ -941,79 +941,120 @@ def _fmt(value: float | None, fmt: str) -> str:
 
 
 def plot_curves(report: dict, path: Path) -> None:
-    """Top left: training reward per step (mean over seeds, band: one std). Top right and
-    bottom left: the shares of all-wrong and of zero-advantage groups per step (mean over
-    seeds). Bottom right: each method's paired change of held-out EM, all questions and
-    per data source: every seed's change (dots) and the mean with its 95 % interval
-    (:func:`aggregate`'s: seeds resampled, then their questions)."""
+    """Top: training reward per step (mean over seeds, band: one std), and the shares of
+    all-wrong and of zero-advantage groups per step (mean over seeds); each method keeps
+    its own marker, so methods that coincide stay visible. Bottom left: each method's
+    paired change of held-out EM from before training, all questions and per data source.
+    Bottom right: its EM after training minus the baseline's (GRPO's) on the same seeds and
+    questions. Each of the two: every seed's figure (dots) and the mean over seeds with its
+    95 % interval (:func:`aggregate`'s and :func:`pooled`'s: seeds resampled, then their
+    questions)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ((left, wrong), (zero, right)) = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = plt.subplot_mosaic(
+        [["reward"] * 2 + ["wrong"] * 2 + ["zero"] * 2, ["change"] * 3 + ["versus"] * 3],
+        figsize=(18, 10),
+    )
+    markers = "osD^vP*X<>"
     for i, (method, runs) in enumerate(report["runs"].items()):
-        for axis, key in ((wrong, "groups_all_wrong"), (zero, "groups_zero_advantage")):
+        style = {"color": f"C{i}", "marker": markers[i % len(markers)], "markersize": 5,
+                 "label": f"{method} (n={len(runs)})"}  # fmt: skip
+        for key in ("groups_all_wrong", "groups_zero_advantage"):
             series = per_step_mean(runs, key)
-            axis.plot(
+            axes["wrong" if key == "groups_all_wrong" else "zero"].plot(
                 [s + 1 for s, v in enumerate(series) if v is not None],
-                [v for v in series if v is not None],
-                color=f"C{i}", marker=".", label=f"{method} (n={len(runs)})",
+                [v for v in series if v is not None], alpha=0.8, **style,
             )  # fmt: skip
         length = min(len(r["reward"]) for r in runs)
         curves = np.array([r["reward"][:length] for r in runs])
         steps = np.arange(1, length + 1)
         centre = curves.mean(axis=0)
-        left.plot(steps, centre, color=f"C{i}", label=f"{method} (n={len(runs)})")
+        axes["reward"].plot(steps, centre, alpha=0.8, **style)
         if len(runs) > 1:
             spread = curves.std(axis=0, ddof=1)
-            left.fill_between(steps, centre - spread, centre + spread, color=f"C{i}", alpha=0.15)
-    left.set_xlabel("step")
-    left.set_ylabel("training reward (mean over seeds, band: 1 std)")
-    left.legend(fontsize=8)
-    left.grid(alpha=0.3)
-    for axis, what in ((wrong, "all wrong"), (zero, "with all advantages zero")):
-        axis.set_xlabel("step")
-        axis.set_ylabel(f"share of groups {what} (mean over seeds)")
-        axis.set_ylim(-0.02, 1.02)
-        axis.legend(fontsize=8)
-        axis.grid(alpha=0.3)
+            axes["reward"].fill_between(steps, centre - spread, centre + spread,
+                                        color=f"C{i}", alpha=0.12)  # fmt: skip
+    axes["reward"].set_ylabel("training reward (mean over seeds, band: 1 std)")
+    for key, what in (("wrong", "all wrong"), ("zero", "with all advantages zero")):
+        axes[key].set_ylabel(f"share of groups {what} (mean over seeds)")
+        axes[key].set_ylim(-0.02, 1.02)
+    for key in ("reward", "wrong", "zero"):
+        axes[key].set_xlabel("step")
+        axes[key].legend(fontsize=8)
+        axes[key].grid(alpha=0.3)
 
     sources = sorted(
         {s for runs in report["runs"].values() for r in runs for s in r["em_change_by_source"]}
     )
     parts = ["all", *sources]
-    width = 0.8 / len(parts)
-    for j, part in enumerate(parts):
-        for i, (name, runs) in enumerate(report["runs"].items()):
-            changes = [
-                r["em_change"]["diff"] if part == "all" else r["em_change_by_source"][part]["diff"]
-                for r in runs
-                if part == "all" or part in r["em_change_by_source"]
-            ]
-            if not changes:
-                continue
-            x = i + (j - (len(parts) - 1) / 2) * width
-            right.scatter([x] * len(changes), changes, s=10, color=f"C{j}", alpha=0.5)
-            agg = report["methods"][name]
-            stat = agg["em_change"] if part == "all" else agg["em_change_by_source"][part]
-            error = (
-                None
-                if stat["low"] is None
-                else [[stat["mean"] - stat["low"]], [stat["high"] - stat["mean"]]]
-            )
-            right.errorbar(x, stat["mean"], yerr=error, fmt="o", color=f"C{j}", capsize=3,
-                           label=part if i == 0 else None)  # fmt: skip
-    right.axhline(0, color="black", linewidth=0.8)
-    right.set_xticks(range(len(report["runs"])), list(report["runs"]), fontsize=8)
-    right.set_ylabel("held-out EM after - before (paired)")
-    right.legend(fontsize=8)
-    right.grid(alpha=0.3, axis="y")
+    _change_panel(axes["change"], report, parts, baseline=None)
+    axes["change"].set_ylabel("held-out EM after - before (paired)")
+    baseline = report.get("baseline")
+    if baseline:
+        _change_panel(axes["versus"], report, parts, baseline=baseline)
+        axes["versus"].set_ylabel(f"held-out EM after - {baseline}'s after (paired)")
+    else:
+        axes["versus"].set_axis_off()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def _change_panel(axis, report: dict, parts: list[str], baseline: str | None) -> None:
+    """Per method and part (all questions, then each data source): every seed's paired
+    change (dots) and the mean over seeds with its 95 % interval. The change from before
+    training, or with ``baseline``, EM after training minus the baseline's on the same
+    seed (the baseline itself left out)."""
+    methods = [m for m in report["runs"] if m != baseline]
+    against = {r["seed"]: r for r in report["runs"][baseline]} if baseline else {}
+    width = 0.8 / len(parts)
+    for j, part in enumerate(parts):
+        for i, name in enumerate(methods):
+            changes = []
+            for run in report["runs"][name]:
+                if baseline is None:
+                    moved = (
+                        run["em_change"] if part == "all" else run["em_change_by_source"].get(part)
+                    )
+                    if moved is not None:
+                        changes.append(moved["diff"])
+                elif run["seed"] in against:
+                    ours, theirs = run, against[run["seed"]]
+                    if part == "all":
+                        changes.append(ours["em_after"] - theirs["em_after"])
+                    elif (
+                        part in ours["em_after_by_source"] and part in theirs["em_after_by_source"]
+                    ):
+                        changes.append(
+                            ours["em_after_by_source"][part] - theirs["em_after_by_source"][part]
+                        )
+            agg = report["methods"][name]
+            if baseline is None:
+                stat = agg["em_change"] if part == "all" else agg["em_change_by_source"].get(part)
+            else:
+                pooled_change = (agg.get("vs_baseline") or {}).get(part)
+                stat = None if pooled_change is None else _as_stat(pooled_change)
+            if not changes and stat is None:
+                continue
+            x = i + (j - (len(parts) - 1) / 2) * width
+            axis.scatter([x] * len(changes), changes, s=10, color=f"C{j}", alpha=0.5)
+            if stat is not None:
+                error = (
+                    None
+                    if stat["low"] is None
+                    else [[stat["mean"] - stat["low"]], [stat["high"] - stat["mean"]]]
+                )
+                axis.errorbar(x, stat["mean"], yerr=error, fmt="o", color=f"C{j}", capsize=3,
+                              label=part if i == 0 else None)  # fmt: skip
+    axis.axhline(0, color="black", linewidth=0.8)
+    axis.set_xticks(range(len(methods)), methods, fontsize=8)
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3, axis="y")
 
 
 if __name__ == "__main__":

@@ -571,3 +571,42 @@ def test_the_shares_per_step_are_averaged_over_seeds_in_the_table_and_the_plot(t
     assert "| grpo | 0.38 / 0.75 | 0.50 / 0.75 | 0.75 / n/a |" in text
     learning.plot_curves(report, tmp_path / "study.png")
     assert (tmp_path / "study.png").stat().st_size > 10_000
+
+
+def test_the_plot_shows_each_method_against_the_baseline_seed_by_seed(tmp_path):
+    """The panel against GRPO: every seed's EM after training minus GRPO's on the same seed
+    (dots), and the pooled paired change with its interval (the error bar), per part; GRPO
+    itself is not drawn against itself."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import learning
+    import matplotlib.pyplot as plt
+
+    def run(seed, before, after):
+        keys = [f"q{i}" for i in range(len(before))]
+        source = {k: ("1hop", "2hop")[i % 2] for i, k in enumerate(keys)}
+        by_source = {s: sum(a for k, a in zip(keys, after, strict=True) if source[k] == s) / 2
+                     for s in ("1hop", "2hop")}  # fmt: skip
+        return {"seed": seed, "correct_before": dict(zip(keys, before, strict=True)),
+                "correct_after": dict(zip(keys, after, strict=True)), "source": source,
+                "em_after": sum(after) / len(after), "em_after_by_source": by_source}  # fmt: skip
+
+    tspo = [run(0, [0, 0, 1, 1], [1, 1, 1, 0]), run(1, [0, 1, 0, 1], [1, 1, 1, 1])]
+    grpo = [run(0, [0, 0, 1, 1], [0, 1, 1, 1]), run(1, [0, 1, 0, 1], [0, 1, 0, 1])]
+    versus = {p: learning.pooled(tspo, grpo, source=None if p == "all" else p)
+              for p in ("all", "1hop", "2hop")}  # fmt: skip
+    report = {"runs": {"grpo": grpo, "tspo": tspo}, "baseline": "grpo",
+              "methods": {"grpo": {}, "tspo": {"vs_baseline": versus}}}  # fmt: skip
+    fig, axis = plt.subplots()
+    learning._change_panel(axis, report, ["all", "1hop", "2hop"], baseline="grpo")
+    dots = [sorted(c.get_offsets()[:, 1].tolist()) for c in axis.collections
+            if c.get_offsets().shape[0] == 2]  # fmt: skip
+    # seed 0: 0.75 - 0.75; seed 1: 1.0 - 0.5. 1-hop (q0, q2): 1 - 0.5 and 1 - 0; 2-hop:
+    # (q1, q3) 0.5 - 1 and 1 - 1
+    assert dots == [[0.0, 0.5], [0.5, 1.0], [-0.5, 0.0]]
+    centres = [line.get_ydata()[0] for line in axis.lines if line.get_marker() == "o"]
+    assert centres == pytest.approx([versus[p]["diff"] for p in ("all", "1hop", "2hop")])
+    assert [t.get_text() for t in axis.get_xticklabels()] == ["tspo"]
+    plt.close(fig)
