@@ -1011,6 +1011,9 @@ def _change_panel(axis, report: dict, parts: list[str], baseline: str | None) ->
     training, or with ``baseline``, EM after training minus the baseline's on the same
     seed (the baseline itself left out)."""
     methods = [m for m in report["runs"] if m != baseline]
+    if not methods:  # the baseline alone: nothing to draw against it
+        axis.set_axis_off()
+        return
     against = {r["seed"]: r for r in report["runs"][baseline]} if baseline else {}
     width = 0.8 / len(parts)
     for j, part in enumerate(parts):
