@@ -1015,7 +1015,7 @@ def _change_panel(axis, report: dict, parts: list[str], baseline: str | None) ->
         axis.set_axis_off()
         return
     against = {r["seed"]: r for r in report["runs"][baseline]} if baseline else {}
-    width = 0.8 / len(parts)
+    width, labelled = 0.8 / len(parts), set()
     for j, part in enumerate(parts):
         for i, name in enumerate(methods):
             changes = []
@@ -1024,18 +1024,12 @@ def _change_panel(axis, report: dict, parts: list[str], baseline: str | None) ->
                     moved = (
                         run["em_change"] if part == "all" else run["em_change_by_source"].get(part)
                     )
-                    if moved is not None:
-                        changes.append(moved["diff"])
-                elif run["seed"] in against:
-                    ours, theirs = run, against[run["seed"]]
-                    if part == "all":
-                        changes.append(ours["em_after"] - theirs["em_after"])
-                    elif (
-                        part in ours["em_after_by_source"] and part in theirs["em_after_by_source"]
-                    ):
-                        changes.append(
-                            ours["em_after_by_source"][part] - theirs["em_after_by_source"][part]
-                        )
+                    value = None if moved is None else moved["diff"]
+                else:
+                    ours, theirs = _em_after(run, part), _em_after(against.get(run["seed"]), part)
+                    value = None if ours is None or theirs is None else ours - theirs
+                if value is not None:
+                    changes.append(value)
             agg = report["methods"][name]
             if baseline is None:
                 stat = agg["em_change"] if part == "all" else agg["em_change_by_source"].get(part)
@@ -1053,11 +1047,20 @@ def _change_panel(axis, report: dict, parts: list[str], baseline: str | None) ->
                     else [[stat["mean"] - stat["low"]], [stat["high"] - stat["mean"]]]
                 )
                 axis.errorbar(x, stat["mean"], yerr=error, fmt="o", color=f"C{j}", capsize=3,
-                              label=part if i == 0 else None)  # fmt: skip
+                              label=None if part in labelled else part)  # fmt: skip
+                labelled.add(part)
     axis.axhline(0, color="black", linewidth=0.8)
     axis.set_xticks(range(len(methods)), methods, fontsize=8)
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3, axis="y")
+
+
+def _em_after(run: dict | None, part: str) -> float | None:
+    """A run's held-out EM after training on all questions or a data source's (None
+    without the run or the source)."""
+    if run is None:
+        return None
+    return run["em_after"] if part == "all" else run["em_after_by_source"].get(part)
 
 
 if __name__ == "__main__":
