@@ -5,6 +5,7 @@ name resumes from its checkpoint."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,12 @@ def test_two_ddp_workers_fit_what_one_process_fits(ray_cluster, demos, tmp_path)
     assert not (tmp_path / "policy" / "sft_metrics.json").exists()
 
 
+def _checkpoints(run: Path) -> list[Path]:
+    """A Ray Train run's checkpoint folders (its checkpoint_manager_snapshot.json beside
+    them matches the same glob)."""
+    return [p for p in run.glob("checkpoint_*") if p.is_dir()]
+
+
 @pytest.mark.e2e  # two Ray Train jobs, the second resumed: the second test command
 def test_a_job_started_again_resumes_from_its_checkpoint(ray_cluster, demos, tmp_path):
     batch, pad = demos
@@ -49,8 +56,7 @@ def test_a_job_started_again_resumes_from_its_checkpoint(ray_cluster, demos, tmp
     one = fine_tune("tiny-random", batch, first, pad_token_id=pad, storage_path=str(tmp_path),
                     name="job", out=tmp_path / "one")  # fmt: skip
     assert one["resumed_epoch"] == 0 and len(one["loss_per_epoch"]) == 1
-    # Ray Train keeps a checkpoint_manager_snapshot.json beside the checkpoint folders
-    checkpoints = [p for p in (tmp_path / "job").glob("checkpoint_*") if p.is_dir()]
+    checkpoints = _checkpoints(tmp_path / "job")
     assert len(checkpoints) == 1 and (checkpoints[0] / "model.safetensors").is_file()
     progress = json.loads((checkpoints[0] / "progress.json").read_text())
     assert progress["epoch"] == 0
@@ -68,7 +74,6 @@ def test_pipelines_sft_fits_a_chat_file_on_two_workers(ray_cluster, tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     demos = tmp_path / "demos.jsonl"
@@ -88,5 +93,5 @@ def test_pipelines_sft_fits_a_chat_file_on_two_workers(ray_cluster, tmp_path):
     assert summary["demonstrations"] == 12 and summary["optimizer_steps"] == 6
     assert summary["loss_per_epoch"][1] < summary["loss_per_epoch"][0]
     load_model(str(tmp_path / "policy"))  # a model folder any pipeline takes as --model
-    saved = [p for p in (tmp_path / "sft").glob("checkpoint_*") if p.is_dir()]
+    saved = _checkpoints(tmp_path / "sft")
     assert saved and (saved[0] / "model.safetensors").is_file()  # next to --out, by default
