@@ -59,6 +59,14 @@ metrics, data cursor and the chunks generated ahead of training come back; the r
 its starts, and its wall time, cut off, is unknown: the table's s/run reads n/a where a
 run was resumed, its RL s/run sums every step); one cut off before its first checkpoint
 starts over.
+
+``--report RUNS.jsonl`` runs nothing and reports a record. Where a seed's remaining runs
+had to be made on a machine that cannot make that seed's warm-start again, run them there
+in a study of their own with GRPO (``--methods grpo,cw_grpo --seeds 2``), then give both
+records: ``--report study.jsonl --report elsewhere.jsonl``. A run of the later record is
+compared with GRPO's run from its own warm-start, the others with GRPO's from the study's;
+GRPO's row keeps the study's run, and the report sets GRPO's two runs of the seed against
+each other, paired on its questions: what the start alone moved.
 """
 
 from __future__ import annotations
@@ -127,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         "(default: each with its own), e.g. GRPO here against TSPO there",
     )  # fmt: skip
     parser.add_argument(
-        "--report", type=Path, default=None, metavar="RUNS.jsonl",
+        "--report", type=Path, action="append", default=[], metavar="RUNS.jsonl",
         help="run nothing: the tables and plot of a recorded study (its --methods and "
-        "--seeds), computed by this version, whatever settings it was recorded with",
+        "--seeds), computed by this version, whatever settings it was recorded with; "
+        "repeatable: a later record adds runs of the study's seeds made from another "
+        "warm-start (another machine's), each paired with the baseline's run from its start",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: " + " ".join(QUICK))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learning.json")
@@ -188,23 +198,24 @@ def main(argv: list[str] | None = None) -> int:
     elif args.against_method:
         parser.error("--against-method needs --against RUNS.jsonl")
     started = time.perf_counter()
-    if args.report is not None:
-        if not args.report.is_file():
-            parser.error(f"--report {args.report}: no such study record (runs.jsonl)")
+    if args.report:
         try:
-            recorded = recorded_runs(args.report, None)
+            recorded, other_starts = read_reports(args.report)
         except (OSError, ValueError) as err:
-            parser.error(f"--report {args.report}: {err}")
+            parser.error(str(err))
         missing = [f"{m} seed {s}" for s in seeds for m in methods if (m, s) not in recorded]
         if missing:
             parser.error(
-                f"--report {args.report} holds no {', '.join(missing[:4])}"
+                f"--report {', '.join(map(str, args.report))} holds no "
+                + ", ".join(missing[:4])
                 + (f" (and {len(missing) - 4} more)" if len(missing) > 4 else "")
                 + ": give the --methods and --seeds it recorded"
             )
         settings = recorded[methods[0], seeds[0]]["settings"]
+        other_starts = [r for r in other_starts if r["seed"] in seeds]
         return _report(args, parser, seeds, settings, composed, against,
-                       {m: [recorded[m, s] for s in seeds] for m in methods}, started)  # fmt: skip
+                       {m: [recorded[m, s] for s in seeds] for m in methods}, started,
+                       other_starts)  # fmt: skip
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="learning_"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -325,17 +336,39 @@ def _not_their_start(
     )
 
 
-def _report(args, parser, seeds, settings, composed, against, runs, started) -> int:
+def _report(
+    args, parser, seeds, settings, composed, against, runs, started, other_starts=()
+) -> int:
     """The study's report of ``runs`` (method -> its runs, one per seed): JSON, tables and
-    plot, each method paired with GRPO's and with --against's runs."""
+    plot, each method paired with GRPO's and with --against's runs. ``other_starts``: the
+    baseline's runs of a seed from another warm-start (a later ``--report`` record's),
+    each the pair of the runs of its seed that started where it did."""
+    baselines = [*runs.get(BASELINE, []), *other_starts]
+    if other_starts and BASELINE not in runs:
+        parser.error(f"runs from other starts are paired with {BASELINE}'s: add it to --methods")
     for seed in seeds:
         of_seed = [{**r[i], "method": m} for m, r in runs.items() for i in range(len(r))
                    if r[i]["seed"] == seed]  # fmt: skip
+        if BASELINE in runs:  # each run against the baseline's run of its start
+            for run in of_seed:
+                if paired_baseline(run, baselines) is None:
+                    why = different_start(run, [b for b in baselines if b["seed"] == seed])
+                    parser.error(f"{run['method']} seed {seed} did not start where the seed's "
+                                 f"{BASELINE} run did ({why}): they are not one study's runs; "
+                                 f"a run from another start needs {BASELINE}'s run from it "
+                                 "(in its own --report record)")  # fmt: skip
+            continue
         for i, run in enumerate(of_seed[1:], 1):
             why = different_start(run, of_seed[:i])
             if why:
                 parser.error(f"{run['method']} seed {seed} did not start where the seed's other "
                              f"runs did ({why}): they are not one study's runs")  # fmt: skip
+    used = []  # the other starts' baseline runs that a run is paired with, and by whom
+    for alt in other_starts:
+        methods = [m for m, rs in runs.items() if any(paired_baseline(r, baselines) is alt
+                                                      for r in rs)]  # fmt: skip
+        if methods:
+            used.append({**alt, "paired_with": methods})
     report = {
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
@@ -348,13 +381,22 @@ def _report(args, parser, seeds, settings, composed, against, runs, started) -> 
         "runs": runs,
         "seconds": time.perf_counter() - started,
     }
+    if used:
+        report["other_starts"] = used
     for method, agg in report["methods"].items():  # each method against GRPO, paired
         if method != BASELINE and BASELINE in runs:
             parts = ["all", *agg["em_after_by_source"]]
+            theirs = [paired_baseline(r, [*runs[BASELINE], *used]) for r in runs[method]]
             agg["vs_baseline"] = {
-                part: pooled(runs[method], runs[BASELINE], source=None if part == "all" else part)
+                part: pooled(runs[method], theirs, source=None if part == "all" else part)
                 for part in parts
             }
+    for alt in used:  # the baseline from two starts of one seed: what the start alone moves
+        study = next(r for r in runs[BASELINE] if r["seed"] == alt["seed"])
+        alt["vs_study_start"] = {
+            part: pooled([alt], [study], source=None if part == "all" else part)
+            for part in ["all", *alt["em_after_by_source"]]
+        }
     if against:  # each method against its own (or --against-method's) runs there, paired
         report["against"] = {"record": str(args.against),
                              "settings": next(iter(against.values()))["settings"],
@@ -619,6 +661,55 @@ def rl_seconds(rows: list[dict]) -> float:
     return float(sum(r.get("time/step_s", 0.0) for r in rows))
 
 
+def read_reports(paths: list[Path]) -> tuple[dict[tuple[str, int], dict], list[dict]]:
+    """The runs of ``--report``'s records, by (method, seed), and the baseline's runs made
+    from other starts. The first record is the study's; a later one adds the runs it lacks,
+    typically a seed's methods made again from another machine's warm-start of that seed
+    (the same settings on another CPU can give other weights). A later record's baseline
+    run of a seed the study already has is another start's: kept apart (``others``), the
+    baseline that its record's runs of that seed are paired with. Any other (method, seed)
+    recorded twice is refused: a method's seed is one run of the study."""
+    recorded: dict[tuple[str, int], dict] = {}
+    origin: dict[tuple[str, int], Path] = {}
+    others: list[dict] = []
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--report {path}: no such study record (runs.jsonl)")
+        try:
+            runs = recorded_runs(path, None)
+        except ValueError as err:
+            raise ValueError(f"--report {path}: {err}") from None
+        for (method, seed), run in runs.items():
+            if (method, seed) not in recorded:
+                recorded[method, seed], origin[method, seed] = run, path
+            elif method == BASELINE:
+                others.append({**run, "record": str(path)})
+            else:
+                raise ValueError(
+                    f"--report {path} records {method} seed {seed}, as "
+                    f"{origin[method, seed]} does: a method's seed is one run of the study; "
+                    "give the records that hold it once"
+                )
+    return recorded, others
+
+
+def paired_baseline(run: dict, baselines: list[dict]) -> dict | None:
+    """The baseline's run that ``run`` is compared with: of its seed, the one that started
+    where it did (:func:`different_start`), the first of them; None if none did."""
+    for other in baselines:
+        if other["seed"] == run["seed"] and different_start(run, [other]) is None:
+            return other
+    return None
+
+
+def _baselines(report: dict) -> list[dict]:
+    """Every run of the report's baseline: the study's, then those from other starts."""
+    baseline = report.get("baseline")
+    if not baseline:
+        return []
+    return [*report["runs"].get(baseline, []), *report.get("other_starts", [])]
+
+
 def aggregate(runs: list[dict]) -> dict:
     """Across seeds: held-out EM after training (all questions) and its paired change
     from before (all questions and per data source), each the mean over seeds with a
@@ -822,6 +913,29 @@ def table(report: dict) -> str:
         "change; 95 % interval of a bootstrap over the seeds, then their questions; questions "
         "better / worse and, on one seed, the exact sign test on them):\n\n" + _markdown(head, rows)
     )
+    if report.get("other_starts"):
+        study = {r["seed"]: r for r in report["runs"][baseline]}
+        head = ["seed", "warm-start (SHA-256)", "runs paired with its baseline run",
+                f"{baseline}'s EM before / after",
+                *(f"{p}: {baseline} from it - {baseline} from the study's" for p in parts)]  # fmt: skip
+        rows = []
+        for alt in report["other_starts"]:
+            ours = study[alt["seed"]]
+            rows.append([
+                str(alt["seed"]),
+                f"{_digest(alt)} (the study's: {_digest(ours)})",
+                ", ".join(m for m in alt["paired_with"] if m != baseline) or "-",
+                f"{alt['em_before']:.3f} / {alt['em_after']:.3f} "
+                f"({ours['em_before']:.3f} / {ours['em_after']:.3f})",
+                *(_paired(alt["vs_study_start"].get(p), 1) for p in parts),
+            ])  # fmt: skip
+        text += (
+            "\n\nSeeds with runs from another warm-start (the same settings made again "
+            f"elsewhere): each of those runs is compared with {baseline}'s run from that "
+            f"warm-start, the rest with {baseline}'s from the study's; {baseline} from the "
+            "two starts, paired on the seed's questions, is what the start alone moved:\n\n"
+            + _markdown(head, rows)
+        )
     steps = max((len(r["groups_all_wrong"]) for rs in report["runs"].values() for r in rs),
                 default=0)  # fmt: skip
     if steps:
@@ -877,6 +991,12 @@ def table(report: dict) -> str:
             + _markdown(head, rows)
         )
     return text
+
+
+def _digest(run: dict) -> str:
+    """A run's warm-start by the first 12 hex digits of its weights' SHA-256."""
+    digest = run.get("warm_start_sha256")
+    return f"{digest[:12]}..." if digest else "not recorded"
 
 
 def per_step_mean(runs: list[dict], key: str) -> list[float | None]:
@@ -1008,13 +1128,13 @@ def plot_curves(report: dict, path: Path) -> None:
 def _change_panel(axis, report: dict, parts: list[str], baseline: str | None) -> None:
     """Per method and part (all questions, then each data source): every seed's paired
     change (dots) and the mean over seeds with its 95 % interval. The change from before
-    training, or with ``baseline``, EM after training minus the baseline's on the same
-    seed (the baseline itself left out)."""
+    training, or with ``baseline``, EM after training minus the baseline's run of the
+    same seed and warm-start (:func:`paired_baseline`; the baseline itself left out)."""
     methods = [m for m in report["runs"] if m != baseline]
     if not methods:  # the baseline alone: nothing to draw against it
         axis.set_axis_off()
         return
-    against = {r["seed"]: r for r in report["runs"][baseline]} if baseline else {}
+    baselines = _baselines(report)
     width, labelled = 0.8 / len(parts), set()
     for j, part in enumerate(parts):
         for i, name in enumerate(methods):
@@ -1026,7 +1146,8 @@ def _change_panel(axis, report: dict, parts: list[str], baseline: str | None) ->
                     )
                     value = None if moved is None else moved["diff"]
                 else:
-                    ours, theirs = _em_after(run, part), _em_after(against.get(run["seed"]), part)
+                    theirs = _em_after(paired_baseline(run, baselines), part)
+                    ours = _em_after(run, part)
                     value = None if ours is None or theirs is None else ours - theirs
                 if value is not None:
                     changes.append(value)

@@ -610,3 +610,87 @@ def test_the_plot_shows_each_method_against_the_baseline_seed_by_seed(tmp_path):
     assert centres == pytest.approx([versus[p]["diff"] for p in ("all", "1hop", "2hop")])
     assert [t.get_text() for t in axis.get_xticklabels()] == ["tspo"]
     plt.close(fig)
+
+
+def test_a_seed_made_again_from_another_start_is_paired_with_the_baselines_run_from_it(
+    tmp_path, capsys
+):
+    """--report over two records: the study's, and one holding a seed's methods made again
+    from another machine's warm-start of that seed. Each of those runs is compared with
+    GRPO's run from its own start, the rest with GRPO's from the study's; GRPO's two runs
+    of the seed are set against each other (what the start alone moved). A method's seed
+    recorded twice, or a run from another start without GRPO's run from it, is refused."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import learning
+    import matplotlib.pyplot as plt
+
+    keys = [f"q{i}" for i in range(4)]
+    source = dict(zip(keys, ["1hop", "2hop", "1hop", "2hop"], strict=True))
+
+    def line(method, seed, digest, before, after):
+        change = {"diff": (sum(after) - sum(before)) / 4, "low": -1.0, "high": 1.0}
+        by_source = {s: sum(a for k, a in zip(keys, after, strict=True) if source[k] == s) / 2
+                     for s in ("1hop", "2hop")}  # fmt: skip
+        return json.dumps({
+            "method": method, "settings": [], "defaults": "x", "seed": seed, "seconds": 1.0,
+            "em_before": sum(before) / 4, "em_after": sum(after) / 4,
+            "em_before_by_source": {"1hop": 0.5, "2hop": 0.5}, "em_after_by_source": by_source,
+            "em_change": change, "em_change_by_source": {"1hop": change, "2hop": change},
+            "searches_before": 1.0, "searches_after": 1.0, "reward": [0.1, 0.2],
+            "groups_all_wrong": [0.5, 0.5], "groups_zero_advantage": [0.5, 0.5],
+            "estimator_counters": {}, "warm_start_sha256": digest * 64, "source": source,
+            "correct_before": dict(zip(keys, before, strict=True)),
+            "correct_after": dict(zip(keys, after, strict=True)),
+        }) + "\n"  # fmt: skip
+
+    start = [0, 1, 0, 1]
+    study = tmp_path / "runs.jsonl"
+    study.write_text(
+        line("grpo", 0, "a", start, [0, 1, 1, 1]) + line("cw_grpo", 0, "a", start, [1, 1, 1, 1])
+        + line("grpo", 1, "b", start, [0, 0, 0, 1])  # seed 1: cw_grpo to come, from elsewhere
+    )  # fmt: skip
+    again = tmp_path / "runs_seed1_elsewhere.jsonl"  # seed 1 made again: other weights
+    again.write_text(line("grpo", 1, "c", start, [1, 1, 0, 1])
+                     + line("cw_grpo", 1, "c", start, [1, 1, 1, 1]))  # fmt: skip
+    out = tmp_path / "report.json"
+    argv = ["--methods", "grpo,cw_grpo", "--seeds", "0,1", "--out", str(out),
+            "--report", str(study), "--report", str(again)]  # fmt: skip
+    assert learning.main(argv) == 0
+    report = json.loads(out.read_text())
+    # grpo's row is the study's runs; cw_grpo's seed 1 comes from the second record
+    assert [r["warm_start_sha256"][0] for r in report["runs"]["grpo"]] == ["a", "b"]
+    assert [r["warm_start_sha256"][0] for r in report["runs"]["cw_grpo"]] == ["a", "c"]
+    # against GRPO: seed 0 one question better (4 right against 3), seed 1 against GRPO's
+    # run from "c" (3 right), not the study's from "b" (1 right): +1/4 on each seed
+    versus = report["methods"]["cw_grpo"]["vs_baseline"]["all"]
+    assert (versus["seeds"], versus["better"], versus["worse"]) == (2, 2, 0)
+    assert versus["diff"] == pytest.approx(0.25)
+    (alt,) = report["other_starts"]
+    assert alt["seed"] == 1 and alt["paired_with"] == ["cw_grpo"]
+    moved = alt["vs_study_start"]["all"]  # grpo from "c" minus grpo from "b": q0, q1 better
+    assert (moved["better"], moved["worse"], moved["diff"]) == (2, 0, 0.5)
+    text = capsys.readouterr().out
+    assert "Seeds with runs from another warm-start" in text
+    assert f"| 1 | {'c' * 12}... (the study's: {'b' * 12}...) | cw_grpo | 0.500 / 0.750" in text
+    # the plot's panel against GRPO draws seed 1 against GRPO's run from "c" too
+    fig, axis = plt.subplots()
+    learning._change_panel(axis, report, ["all"], baseline="grpo")
+    (dots,) = [c.get_offsets()[:, 1].tolist() for c in axis.collections
+               if c.get_offsets().shape[0] == 2]  # fmt: skip
+    assert dots == [0.25, 0.25]
+    plt.close(fig)
+    # cw_grpo's seed 1 in both records: refused
+    (tmp_path / "twice.jsonl").write_text(line("cw_grpo", 0, "a", start, [0, 0, 0, 0]))
+    with pytest.raises(SystemExit):
+        learning.main([*argv, "--report", str(tmp_path / "twice.jsonl")])
+    assert "records cw_grpo seed 0, as" in capsys.readouterr().err
+    # a run from another start without GRPO's run from it: refused, naming what it needs
+    (tmp_path / "alone.jsonl").write_text(line("cw_grpo", 1, "c", start, [1, 1, 1, 1]))
+    with pytest.raises(SystemExit):
+        learning.main([*argv[:-2], "--report", str(tmp_path / "alone.jsonl")])
+    err = capsys.readouterr().err
+    assert "cw_grpo seed 1 did not start where the seed's grpo run did" in err
+    assert "needs grpo's run from it" in err
