@@ -212,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
                 + ": give the --methods and --seeds it recorded"
             )
         settings = recorded[methods[0], seeds[0]]["settings"]
-        other_starts = [r for r in other_starts if r["seed"] in seeds]
         return _report(args, parser, seeds, settings, composed, against,
                        {m: [recorded[m, s] for s in seeds] for m in methods}, started,
                        other_starts)  # fmt: skip
@@ -343,30 +342,34 @@ def _report(
     plot, each method paired with GRPO's and with --against's runs. ``other_starts``: the
     baseline's runs of a seed from another warm-start (a later ``--report`` record's),
     each the pair of the runs of its seed that started where it did."""
-    baselines = [*runs.get(BASELINE, []), *other_starts]
     if other_starts and BASELINE not in runs:
         parser.error(f"runs from other starts are paired with {BASELINE}'s: add it to --methods")
-    for seed in seeds:
-        of_seed = [{**r[i], "method": m} for m, r in runs.items() for i in range(len(r))
-                   if r[i]["seed"] == seed]  # fmt: skip
-        if BASELINE in runs:  # each run against the baseline's run of its start
-            for run in of_seed:
-                if paired_baseline(run, baselines) is None:
+    # method -> the baseline's run that each of its runs is paired with
+    pairs: dict[str, list[dict]] = {}
+    if BASELINE in runs:  # each run against the baseline's run of its seed and start
+        baselines = [*runs[BASELINE], *other_starts]
+        for method, rs in runs.items():
+            pairs[method] = [paired_baseline(run, baselines) for run in rs]
+            for run, pair in zip(rs, pairs[method], strict=True):
+                if pair is None:
+                    seed = run["seed"]
                     why = different_start(run, [b for b in baselines if b["seed"] == seed])
-                    parser.error(f"{run['method']} seed {seed} did not start where the seed's "
+                    parser.error(f"{method} seed {seed} did not start where the seed's "
                                  f"{BASELINE} run did ({why}): they are not one study's runs; "
                                  f"a run from another start needs {BASELINE}'s run from it "
                                  "(in its own --report record)")  # fmt: skip
-            continue
-        for i, run in enumerate(of_seed[1:], 1):
-            why = different_start(run, of_seed[:i])
-            if why:
-                parser.error(f"{run['method']} seed {seed} did not start where the seed's other "
-                             f"runs did ({why}): they are not one study's runs")  # fmt: skip
+    else:
+        for seed in seeds:
+            of_seed = [{**r[i], "method": m} for m, r in runs.items() for i in range(len(r))
+                       if r[i]["seed"] == seed]  # fmt: skip
+            for i, run in enumerate(of_seed[1:], 1):
+                why = different_start(run, of_seed[:i])
+                if why:
+                    parser.error(f"{run['method']} seed {seed} did not start where the seed's "
+                                 f"other runs did ({why}): they are not one study's runs")  # fmt: skip
     used = []  # the other starts' baseline runs that a run is paired with, and by whom
     for alt in other_starts:
-        methods = [m for m, rs in runs.items() if any(paired_baseline(r, baselines) is alt
-                                                      for r in rs)]  # fmt: skip
+        methods = [m for m, theirs in pairs.items() if any(p is alt for p in theirs)]
         if methods:
             used.append({**alt, "paired_with": methods})
     report = {
@@ -386,9 +389,8 @@ def _report(
     for method, agg in report["methods"].items():  # each method against GRPO, paired
         if method != BASELINE and BASELINE in runs:
             parts = ["all", *agg["em_after_by_source"]]
-            theirs = [paired_baseline(r, [*runs[BASELINE], *used]) for r in runs[method]]
             agg["vs_baseline"] = {
-                part: pooled(runs[method], theirs, source=None if part == "all" else part)
+                part: pooled(runs[method], pairs[method], source=None if part == "all" else part)
                 for part in parts
             }
     for alt in used:  # the baseline from two starts of one seed: what the start alone moves
