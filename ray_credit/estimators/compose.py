@@ -235,6 +235,8 @@ def _as_sum(x: Any) -> Any:
 
 
 def _number(coef: Any) -> float:
+    if isinstance(coef, np.generic):  # a numpy scalar weighs as its Python number
+        coef = coef.item()
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
         raise CompositionError(f"a weight in a composition is a finite number, got {coef!r}")
     return float(coef)
@@ -334,12 +336,14 @@ def parse(text: str) -> Any:
     if not isinstance(text, str) or not text.strip():
         raise CompositionError(f"a composition is a non-empty string, got {text!r}")
     try:
-        tree = ast.parse(text.strip(), mode="eval").body
-        built = _build(tree, text)
+        built = _build(_tree(text.strip()), text)
     except SyntaxError as err:
         shown = text if len(text) <= 120 else f"{text[:120]}..."
+        at = (
+            f"line {err.lineno}, column {err.offset}" if err.lineno != 1 else f"column {err.offset}"
+        )
         raise CompositionError(
-            f"cannot read the composition {shown!r}: {err.msg} at column {err.offset}; write "
+            f"cannot read the composition {shown!r}: {err.msg} at {at}; write "
             'e.g. "outcome + 0.5*folr | turn_position | contribution"'
         ) from None
     except (RecursionError, MemoryError):
@@ -351,8 +355,27 @@ def parse(text: str) -> Any:
     return built
 
 
+def _tree(source: str) -> ast.AST:
+    """The expression ``source`` writes; one written over lines (a YAML block scalar) is
+    read as if in parentheses. A syntax error is the one in the text as written."""
+    try:
+        return ast.parse(source, mode="eval").body
+    except SyntaxError:
+        if "\n" not in source:
+            raise
+        try:
+            return ast.parse(f"({source}\n)", mode="eval").body
+        except SyntaxError:
+            pass
+        raise
+
+
 def _build(node: ast.AST, text: str) -> Any:
     if isinstance(node, ast.Name):
+        if node.id.lower() in ("nan", "inf", "infinity") and node.id not in PARTS:
+            raise CompositionError(
+                f"in {text!r}: {node.id} is not a part, and a weight is a finite number"
+            )
         return _use(node.id, {}, text)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
         if node.args:
@@ -374,11 +397,14 @@ def _build(node: ast.AST, text: str) -> Any:
         left, right = _build(node.left, text), _build(node.right, text)
         op = _OPS[type(node.op)]
         if op == "*":
-            if _is_number(left) and not _is_number(right):
-                return _scale(right, left)
-            if _is_number(right) and not _is_number(left):
-                return _scale(left, right)
-            raise CompositionError(f"in {text!r}: '*' multiplies a part by one number")
+            if _is_number(left) and _is_number(right):  # 2*0.5*folr
+                return left * right
+            number, other = (left, right) if _is_number(left) else (right, left)
+            if not _is_number(number) or _is_number(other):
+                raise CompositionError(f"in {text!r}: '*' multiplies a part by one number")
+            if not math.isfinite(number):
+                raise CompositionError(f"in {text!r}: a weight is a finite number, got {number!r}")
+            return _scale(other, number)
         if _is_number(left) or _is_number(right):
             raise CompositionError(
                 f"in {text!r}: a number stands only as a weight (0.5*folr), not on its own"
@@ -453,8 +479,81 @@ def _uses(comp: Composition) -> list[Use]:
     return out
 
 
+def _zero_rewards(use: Use) -> bool:
+    part = get_part(use.part)
+    return part.zero is not None and part.zero(use.config())
+
+
+def _cancels(terms: Any) -> bool:
+    """Whether weighted terms add up to 0 whatever their values: each term's weights,
+    summed over its copies (``outcome - outcome``), are 0."""
+    total: dict[Any, float] = {}
+    size: dict[Any, float] = {}
+    for coef, term in terms:
+        total[term] = total.get(term, 0.0) + coef
+        size[term] = size.get(term, 0.0) + abs(coef)
+    return all(abs(total[t]) <= 1e-9 * size[t] for t in total)  # 0.1 + 0.2 - 0.3 is 0
+
+
+def _zero(adv: Any) -> bool:
+    """Whether ``adv`` is 0 on every turn of every batch. A normalizer gives 0 for rewards
+    that are all 0, and transforms and weightings keep 0 at 0, so it is when the weights
+    of its terms are 0 or cancel, leaving out terms that are 0 themselves."""
+    if isinstance(adv, Normalized):
+        return _cancels((c, u) for c, u in adv.rewards.terms if not _zero_rewards(u))
+    return _cancels((c, t) for c, t in adv.terms if not _zero(t))
+
+
+def _weights(adv: Any, scale: float = 1.0) -> list[tuple[Use, float]]:
+    """Each reward term's weight in the advantage, once per normalized term it is in: its
+    weights in the sum, times those of the sums around it."""
+    if isinstance(adv, Normalized):
+        net: dict[Use, float] = {}
+        for coef, use in adv.rewards.terms:
+            net[use] = net.get(use, 0.0) + coef
+        return [(use, scale * w) for use, w in net.items()]
+    return [pair for coef, term in adv.terms for pair in _weights(term, scale * coef)]
+
+
+def _check_signs(comp: Composition) -> None:
+    """Refuse a penalty that is rewarded, and rewards that are all penalized: either way
+    the policy is trained towards what its rewards call worse."""
+    weights = [(u, w) for u, w in _weights(comp.advantage) if abs(w) > 1e-12]
+    rewards = [(u, w) for u, w in weights if not get_part(u.part).penalty]
+    if rewards and all(w < 0 for _, w in rewards):
+        names = ", ".join(dict.fromkeys(str(u) for u, _ in rewards))
+        raise CompositionError(
+            f"{comp}: every reward in it ({names}) has a negative weight, so the policy is "
+            "trained away from its rewards, towards wrong answers; give them positive weights "
+            "(outcome | group, not -outcome | group). A reward where larger is worse is a "
+            "penalty: register its part with penalty=True, as invalid"
+        )
+    for use, w in weights:
+        if get_part(use.part).penalty and w > 0:
+            raise CompositionError(
+                f"{comp}: {use} is a penalty (larger where the policy did worse), and its "
+                f"weight is {_number_text(w)}, which rewards what it penalizes; give it a "
+                f"negative weight, e.g. outcome - 0.1*{use} | group_turns"
+            )
+
+
 def _check(comp: Composition) -> None:
     """Refuse what cannot work (the module docstring), naming the part and the fix."""
+    if _zero(comp.advantage):
+        by_settings = sorted(
+            {str(u) for u in _uses(comp) if u.kind == "reward" and _zero_rewards(u)}
+        )
+        zeros = (
+            f"; {', '.join(by_settings)} gives 0 on every turn with those settings"
+            if by_settings
+            else ""
+        )
+        raise CompositionError(
+            f"{comp}: every advantage would be 0 whatever the batch, so nothing is learned: the "
+            f"weights of its terms are 0 or cancel out{zeros}; give a term a weight other than "
+            "0, e.g. outcome | group"
+        )
+    _check_signs(comp)
     for leaf in _leaves(comp.advantage):
         norm, ncfg = leaf.normalizer.part, leaf.normalizer.config()
         rewards = [(u, get_part(u.part), u.config()) for _, u in leaf.rewards.terms]
@@ -619,7 +718,19 @@ def compose(
     settings of the recipe, e.g. a KL coefficient); a composition that cannot work raises
     :class:`CompositionError` saying why. ``name`` defaults to the composition's text.
     """
+    if not isinstance(spec, (str, _Node)):
+        shown = repr(spec) if len(repr(spec)) <= 80 else f"{repr(spec)[:77]}..."
+        raise CompositionError(
+            f"compose takes a composition's text or parts put together with P, got {shown} "
+            f'({type(spec).__name__}); e.g. compose("outcome | group") or '
+            "compose(P.outcome | P.group)"
+        )
     comp = parse(spec) if isinstance(spec, str) else spec
+    if isinstance(comp, Use) and comp.kind != "reward":
+        raise CompositionError(
+            f"{comp} is a {comp.kind}, and a composition begins with rewards: "
+            f"{_placement(comp.kind)}"
+        )
     if isinstance(comp, (Normalized, AdvantageSum)):
         comp = Composition(comp)
     if not isinstance(comp, Composition):

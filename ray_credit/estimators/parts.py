@@ -142,6 +142,13 @@ class Part:
     """Reward terms: whether the final turn gets a reward (None: it does)."""
     every_turn: Callable[[Any], bool] | None = None
     """Reward terms: whether every turn gets a reward (None: it does)."""
+    zero: Callable[[Any], bool] | None = None
+    """Reward terms: whether these settings make every reward 0 (None: no settings do), so
+    that a composition of nothing else is refused (every advantage would be 0)."""
+    penalty: bool = False
+    """Reward terms: a penalty, larger where the policy did worse (1 on an invalid turn),
+    so it takes a negative weight; a positive one is refused, and so is a composition whose
+    rewards that are not penalties all have negative weights."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -342,6 +349,15 @@ class PathSettings:
         from ray_credit.estimators.search_p1 import SearchP1Config
 
         return SearchP1Config(**dataclasses.asdict(self))
+
+
+def _path_is_zero(cfg: PathSettings) -> bool:
+    """Eq. (4) with no weight on the path or the outcome, and none (or no format reward)
+    on the format; or Algorithm 3 without a format reward, which gates the rest on it."""
+    no_format = cfg.format_full == cfg.format_partial == 0
+    if cfg.variant == "algorithm3" and no_format:
+        return True
+    return cfg.lambda_path == cfg.lambda_outcome == 0 and (cfg.lambda_format == 0 or no_format)
 
 
 def _path(batch: TrajectoryBatch, cfg: PathSettings) -> Rewards:
@@ -703,7 +719,7 @@ for _part in (
         "Search-P1's path-centric reward: plan execution, reference coverage, soft outcome, "
         "format",
         signals=lambda c: {"search_p1_evaluation": {}},
-        papers=("Search-P1",), per_turn=lambda c: False,
+        papers=("Search-P1",), per_turn=lambda c: False, zero=_path_is_zero,
     ),
     Part(
         "discounted_outcome", "reward", _discounted_outcome, DiscountedOutcomeSettings,
@@ -713,7 +729,7 @@ for _part in (
     Part(
         "invalid", "reward", _invalid, NoSettings, ("turns",),
         "1 on a turn whose action is invalid (a penalty with a negative weight)",
-        papers=("GiGPO",), per_turn=lambda c: True,
+        papers=("GiGPO",), per_turn=lambda c: True, penalty=True,
     ),
     Part(
         "group", "normalizer", _group, GroupSettings, ("group_id",),

@@ -254,3 +254,122 @@ def test_turn_position_without_padding_follows_its_singleton_setting():
     kept = compose("outcome | turn_position(padding=none, singleton=zero_mean_unit_std)")(batch)
     assert not centered.turn_values("turn_advantages").any()
     np.testing.assert_allclose(kept.turn_values("turn_advantages"), [1 / (1 + 1e-6)] * 2)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "0*outcome | group",
+        "0 * outcome + 0*folr | turn_position | contribution",
+        "outcome - outcome | group",
+        "0.1*outcome + 0.2*outcome - 0.3*outcome | group",
+        "(outcome | group) - (outcome | group)",
+        "0*(outcome | group) + 0*(folr | turn_position) | discount",
+        "0*(outcome | group) + (0*folr | turn_position)",
+        "path(lambda_path=0, lambda_outcome=0, lambda_format=0) | group",
+        "path(variant=algorithm3, format_full=0, format_partial=0) | group",
+        0 * P.outcome | P.group,
+    ],
+)
+def test_a_composition_whose_advantages_are_all_zero_is_refused(spec):
+    """Every advantage 0 by construction (zero weights, terms that cancel, a part whose
+    settings give no reward): accepted before, and nothing was learned."""
+    with pytest.raises(CompositionError) as err:
+        compose(spec)
+    text = str(parse(spec) if isinstance(spec, str) else spec)
+    assert str(err.value).startswith(
+        f"{text}: every advantage would be 0 whatever the batch, so nothing is learned: the "
+        "weights of its terms are 0 or cancel out"
+    ), str(err.value)
+    assert str(err.value).endswith("give a term a weight other than 0, e.g. outcome | group")
+    if "path" in text:
+        assert "gives 0 on every turn with those settings" in str(err.value)
+
+
+def test_compositions_with_a_zero_or_negative_term_still_compose():
+    """A zero weight beside others, a penalty, a term taken away: legitimate, composed."""
+    for text in [
+        "outcome + 0*folr | turn_position",
+        "(0*outcome | group) + (folr | turn_position)",
+        "outcome - 0.1*invalid | group_turns",
+        "-invalid | group_turns",
+        "(outcome | group) - 0.3*(info_gain | turn_position(padding=none))",
+        "path(lambda_path=0, lambda_outcome=0) | group",  # the format reward alone
+        "2*0.5*folr | turn_position",
+        # docs/estimators.md's examples
+        "outcome + 0.5*folr | turn_position | contribution",
+        "(folr | turn_position) + 0.3*(info_gain(mode=log_prob_diff) | "
+        "turn_position(padding=none) | rescaled_sum)",
+        "0.3*(info_gain | turn_position(padding='none') | rescaled_sum) + (outcome | group)",
+    ]:
+        compose(text)
+    assert str(parse("2*0.5*folr | turn_position")) == "folr | turn_position"
+    assert str(np.float64(0.5) * P.folr) == "0.5*folr"  # a numpy weight is its number
+    # one written over lines, as a YAML block scalar gives it
+    assert compose("outcome + 0.5*folr  # TSPO's reward\n  | turn_position\n").name == (
+        "outcome + 0.5*folr | turn_position"
+    )
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        (
+            "nan*outcome | group",
+            "in 'nan*outcome | group': nan is not a part, and a weight is a finite number",
+        ),
+        ("inf*outcome | group", "inf is not a part, and a weight is a finite number"),
+        ("-inf*outcome | group", "inf is not a part, and a weight is a finite number"),
+        (
+            "1e400*outcome | group",
+            "in '1e400*outcome | group': a weight is a finite number, got inf",
+        ),
+        (
+            "-outcome | group",
+            "-outcome | group: every reward in it (outcome) has a negative "
+            "weight, so the policy is trained away from its rewards",
+        ),
+        (
+            "-(outcome + 0.5*folr | turn_position)",
+            "every reward in it (outcome, folr) has a negative weight",
+        ),
+        (
+            "outcome + invalid | group_turns",
+            "outcome + invalid | group_turns: invalid is a "
+            "penalty (larger where the policy did worse), and "
+            "its weight is 1, which rewards what it penalizes",
+        ),
+        (
+            "group",
+            "group is a normalizer, and a composition begins with rewards: rewards | "
+            "normalizer, e.g. outcome | group",
+        ),
+        ("contribution", "contribution is a weighting, and a composition begins with rewards"),
+        ("outcome |\n| group", "cannot read the composition"),
+        ("outcome + | group", "cannot read the composition"),
+        ("outcome & group", "is not part of a composition"),
+        ("lambda: outcome", "is not part of a composition"),
+    ],
+)
+def test_weights_that_are_no_number_or_turn_learning_around_are_refused(spec, says):
+    with pytest.raises(CompositionError) as err:
+        compose(spec)
+    assert says in str(err.value), str(err.value)
+
+
+def test_python_weights_and_specs_that_are_not_compositions_are_named():
+    import math
+
+    for weight in (math.nan, math.inf, np.float64("nan"), True):
+        with pytest.raises(CompositionError, match="a weight in a composition is a finite number"):
+            weight * P.outcome
+    with pytest.raises(CompositionError, match=r"group is a normalizer, and a composition begins"):
+        compose(P.group)
+    for spec, shown in [(5, "5 (int)"), (None, "None (NoneType)"), (["outcome"], "['outcome'] "
+                        "(list)"), (b"outcome | group", "b'outcome | group' (bytes)")]:  # fmt: skip
+        with pytest.raises(CompositionError) as err:
+            compose(spec)
+        assert str(err.value) == (
+            f"compose takes a composition's text or parts put together with P, got {shown}; "
+            'e.g. compose("outcome | group") or compose(P.outcome | P.group)'
+        )
