@@ -9,11 +9,15 @@ overall and per data source: one greedy rollout per question against the retriev
 It reads the same YAML file as the training pipelines (the package's embedded.yaml
 unless --config is given) for the data, retriever and generator settings, so it holds out and
 prompts exactly as the training run did (a question file of its own, a test set, is
-evaluated whole: every question, in file order); the file's training sections (learner, pipeline,
-...) do not apply here and are skipped. Rollouts are greedy with one sample per question,
-whatever generator.temperature and generator.group_size say; with --samples K, each
-question is also rolled out K times at generator.temperature and top_p, and scores its
-share of right samples (the sampled EM, as a training run's eval.samples measures it).
+evaluated whole: every question, in file order; so is data.eval_file, the evaluation file a
+training run given one evaluates); the file's training sections (learner, pipeline, ...) do
+not apply here and are skipped. A checkpoint's held-out questions are those its run held
+out: --seed and the data settings that pick them must be its run's. Rollouts are greedy
+with one sample per question, whatever generator.temperature and generator.group_size say;
+with --samples K, each question is also rolled out K times at generator.temperature and
+top_p, and scores its share of right samples (the sampled EM, as a training run's
+eval.samples measures it). Its retriever and generators are placed before any starts, as a
+training run's are.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ray_credit.pipeline.configs import (
     DataConfig,
     ResourcesConfig,
     RetrieverConfig,
+    check_resource_use,
 )
 from ray_credit.pipeline.evaluation import (
     describe_change,
@@ -42,7 +47,8 @@ from ray_credit.pipeline.evaluation import (
     overrides_of,
     sampled_title,
 )
-from ray_credit.pipeline.preflight import check_model
+from ray_credit.pipeline.placement import EVALUATION, evaluation_asks, held_in
+from ray_credit.pipeline.preflight import check_cluster_config, check_model
 from ray_credit.pipeline.questions import load_data, load_questions
 from ray_credit.pipeline.services import connect, make_generators, make_retriever
 from ray_credit.signals import SIGNALS  # noqa: E402
@@ -60,11 +66,13 @@ TRAINING_SECTIONS = (
 class EvalRun:
     model: str = "smollm2-135m"
     """A checkpoint folder (runs/NAME/checkpoint), an HF id or folder, or an embedded name."""
-    split: Literal["heldout", "all"] | None = None
-    """'heldout' (the questions a training run with the same data settings holds out) or
-    'all' (every question of data.questions, in file order: a test set's). None: 'heldout'
-    where a training split applies (the synthetic questions, or the question file the
-    checkpoint's run trained on), else 'all'."""
+    split: Literal["heldout", "all", "eval_file"] | None = None
+    """'heldout' (the questions a training run with the same data settings and seed holds
+    out), 'all' (every question of data.questions, in file order: a test set's) or
+    'eval_file' (every question of data.eval_file, as a training run given one evaluates).
+    None: 'eval_file' when data.eval_file is given; else 'heldout' where a training split
+    applies (the synthetic questions, or the question file the checkpoint's run trained
+    on), else 'all'."""
     output: str | None = None
     """Write the results here as JSON (None: print only)."""
     before: str | None = None
@@ -96,26 +104,92 @@ class EvalRun:
                 f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}"
             )
 
+    def check(self) -> None:
+        """Checks across sections: resources an actor would hold and never use."""
+        check_resource_use(self.resources, self.generator, self.retriever)
+
 
 def choose_split(cfg: EvalRun, model_path: str) -> tuple[str, str]:
-    """(the split, why): ``cfg.split`` when given; else 'heldout' for the synthetic
-    questions or for the question file the checkpoint's training run held questions out of,
-    'all' for any other question file (a test set: nothing of it was trained on here)."""
-    if cfg.split is not None:
-        return cfg.split, "--split"
-    if cfg.data.questions == "synthetic":
-        return "heldout", "the synthetic questions' training split"
-    trained_on = _trained_questions(model_path)
-    same = (
-        trained_on is not None and Path(trained_on).resolve() == Path(cfg.data.questions).resolve()
+    """(the split, why): with data.eval_file, 'eval_file' (a training run given one holds
+    nothing out of data.questions and evaluates the eval file; another ``--split`` is
+    refused, since the eval file would go unevaluated); else ``cfg.split`` when given;
+    else 'heldout' for the synthetic questions or for the question file the checkpoint's
+    training run held questions out of, 'all' for any other question file (a test set:
+    nothing of it was trained on here). A held-out split of the checkpoint's own questions
+    is refused when this evaluation's seed or data settings would hold out others than
+    its run did (:func:`check_heldout`)."""
+    eval_file = cfg.data.eval_file
+    if eval_file is not None and cfg.split not in (None, "eval_file"):
+        also = "every question of data.questions"
+        if cfg.split == "heldout":
+            also = "questions held out of data.questions (a run given an eval file holds none out)"
+        raise InputError(
+            f"--split {cfg.split} evaluates {also}, and data.eval_file={eval_file!r} would go "
+            "unevaluated; drop --split to evaluate the eval file, or drop the eval file "
+            "(--data.eval_file none)"
+        )
+    if eval_file is not None:
+        return "eval_file", "data.eval_file"
+    if cfg.split == "eval_file":
+        raise InputError("--split eval_file needs the file: --data.eval_file FILE")
+    run = _trained_run(model_path)
+    trained_on = (run or {}).get("data", {}).get("questions")
+    same = trained_on is not None and (
+        trained_on == cfg.data.questions == "synthetic"
+        or Path(trained_on).resolve() == Path(cfg.data.questions).resolve()
     )
-    if same and cfg.data.eval_file is None:
-        return "heldout", f"the checkpoint's run trained on {trained_on}"
-    return "all", f"no training run's split applies to {cfg.data.questions}"
+    split, why = cfg.split, "--split"
+    if split is None and cfg.data.questions == "synthetic":
+        split, why = "heldout", "the synthetic questions' training split"
+    elif split is None and same:
+        split, why = "heldout", f"the checkpoint's run trained on {trained_on}"
+    elif split is None:
+        split, why = "all", "no training run's split applies to it"
+    if split == "heldout" and same:
+        check_heldout(cfg, model_path, run)
+    return split, why
 
 
-def _trained_questions(path: str) -> str | None:
-    """The data.questions of the training run whose checkpoint ``path`` is (None: not a
+def check_heldout(cfg: EvalRun, model_path: str, run: dict) -> None:
+    """Refuse a held-out split of the questions the checkpoint's run trained on that is
+    not the one that run held out: another seed or number of held-out questions, other
+    world settings (each picks other questions, some of them trained on), or a run that
+    held none out (it was given an eval file)."""
+    data, seed = run.get("data") or {}, (run.get("pipeline") or {}).get("seed")
+    where = f"--model {model_path}: its run"
+    if data.get("eval_file") is not None:
+        raise InputError(
+            f"{where} trained on every question of {data.get('questions')} and evaluated "
+            f"data.eval_file {data['eval_file']}, so none is held out; evaluate that file "
+            f"(--data.eval_file {data['eval_file']}), or a test set (--split all)"
+        )
+    if seed is not None and seed != cfg.seed:
+        raise InputError(
+            f"{where} held out questions with pipeline.seed={seed}; eval.py's --seed "
+            f"{cfg.seed} holds out others, some of them trained on: pass --seed {seed}"
+        )
+    held = data.get("eval_questions")
+    if held is not None and held != cfg.data.eval_questions:
+        raise InputError(
+            f"{where} held out data.eval_questions={held}; {cfg.data.eval_questions} here "
+            f"picks others, some of them trained on: pass --data.eval_questions {held} (or "
+            "the run's --config)"
+        )
+    world = data.get("world")
+    if cfg.data.questions == "synthetic" and isinstance(world, dict):
+        mine = asdict(cfg.data.world)
+        differ = sorted(k for k in world if world[k] != mine.get(k))  # those it kept
+        if differ:
+            theirs = ", ".join(f"--data.world.{k} {world.get(k)}" for k in differ)
+            raise InputError(
+                f"{where} trained on another synthetic world (it differs in "
+                f"{', '.join(differ)}), whose held-out questions these are not: pass {theirs} "
+                "(or the run's --config)"
+            )
+
+
+def _trained_run(path: str) -> dict | None:
+    """The run config of the training run whose checkpoint ``path`` is (None: not a
     training checkpoint, or one that keeps no run config)."""
     saved = checkpoints(Path(path))
     if not saved:
@@ -123,10 +197,23 @@ def _trained_questions(path: str) -> str | None:
     from ray_credit.pipeline.runner import checkpoint_state
 
     try:
-        run = checkpoint_state(str(saved[-1][1]))["metadata"].get("run_config") or {}
+        run = checkpoint_state(str(saved[-1][1]))["metadata"].get("run_config")
     except (OSError, ValueError, KeyError):
         return None
-    return (run.get("data") or {}).get("questions")
+    return run if isinstance(run, dict) else None
+
+
+def describe(cfg: EvalRun, split: str, why: str, count: int) -> str:
+    """The line that says what is evaluated: which file, how many questions, and why."""
+    head = f"evaluating {count} questions: split {split},"
+    if split == "eval_file":
+        return f"{head} every question of data.eval_file {cfg.data.eval_file}"
+    if split == "all":
+        return f"{head} every question of data.questions {cfg.data.questions} ({why})"
+    return (
+        f"{head} those held out of data.questions {cfg.data.questions} by --seed {cfg.seed} "
+        f"(data.eval_questions {cfg.data.eval_questions}; {why})"
+    )
 
 
 def resolve_model(path: str) -> str:
@@ -180,18 +267,23 @@ def main(argv=None) -> dict:
     if cfg.output and not Path(cfg.output).resolve().parent.is_dir():
         raise SystemExit(f"eval.py: error: --output {cfg.output}: its folder does not exist")
     model = resolve_model(cfg.model)
-    split, why = choose_split(cfg, cfg.model)
-    cfg = replace(cfg, split=split)
     try:
+        split, why = choose_split(cfg, cfg.model)
+        cfg = replace(cfg, split=split)
         if split == "all":  # every question of the file: no split to hold out
             corpus, questions = load_questions(cfg.data)
-        else:
+        else:  # the held-out questions, or with data.eval_file every question of it
             corpus, _, questions = load_data(cfg.data, seed=cfg.seed)
         check_model("--model", model)
+        check_cluster_config(cfg)
+        asks = evaluation_asks(cfg)
     except InputError as err:
         raise SystemExit(f"eval.py: error: {err}") from None
-    print(f"evaluating {len(questions)} questions: split {split} ({why})", flush=True)
-    ray = connect(cfg)
+    print(describe(cfg, split, why, len(questions)), flush=True)
+    try:  # placed before any actor starts (a local Ray's plan before Ray itself)
+        ray = connect(cfg, held_in(asks, EVALUATION), asks=asks)
+    except InputError as err:
+        raise SystemExit(f"eval.py: error: {err}") from None
     index = cfg.retriever.index_folder
     retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)  # its replicas
     # resources.num_generators generators, for this evaluation only: greedy, then sampled

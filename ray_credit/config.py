@@ -38,8 +38,10 @@ __all__ = [
     "field_docs",
     "leaf_names",
     "parse_config",
+    "read_yaml_file",
     "replace_path",
     "unknown_setting",
+    "yaml_error",
 ]
 
 
@@ -381,6 +383,8 @@ def unknown_setting(
     local = [f"{section}.{n}" if section else n for n in leaf_names(node)]
     near = _nearest(name, local)
     guess = near or _nearest(name, leaf_names(cls))
+    if section and _is_leaf(cls, parts[depth]) and parts[depth] not in guess:
+        guess = [*guess, parts[depth]]  # --wandb.name: the run's own --name
     meant = f"; did you mean {' or '.join(dash + g for g in guess)}?" if guess else ""
     if not section:
         return f"no such setting{meant}" + ("" if guess else f" ({dash}help lists them all)")
@@ -607,17 +611,63 @@ def _apply_yaml(
 def _read_yaml(file: Path, parser: argparse.ArgumentParser, skip: Sequence[str]) -> dict:
     """The YAML file's settings as ``{"section.field": value}`` (``skip``: top-level keys
     that belong to other scripts)."""
-    import yaml
-
     if not file.is_file():
         parser.error(f"--config {file}: no such file")
     try:
-        data = yaml.load(file.read_text(encoding="utf-8"), Loader=_unique_keys_loader()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        parser.error(f"--config {file}: not a readable YAML file: {err}")
+        data = read_yaml_file(file)
+    except InputError as err:
+        parser.error(f"--config {err}")
     if not isinstance(data, dict):
         parser.error(f"--config {file}: the top level must be a mapping of config keys")
     return {key: value for key, value in _flatten(data) if key.split(".")[0] not in skip}
+
+
+def read_yaml_file(file: str | Path) -> Any:
+    """The data of a YAML file the user named (safe: no tag runs code; a key given twice
+    in one mapping is refused). Raises :class:`InputError` in one line that begins with
+    ``file:line:column:`` (1-based, as editors count) for a syntax error, and names the
+    file for one that is not UTF-8 (:class:`InputFileNotFoundError` when it is not a
+    file); None for an empty file."""
+    import yaml
+
+    path = Path(file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        before = err.object[: err.start]
+        line, column = before.count(b"\n") + 1, err.start - before.rfind(b"\n")
+        raise InputError(
+            f"{file}:{line}:{column}: not UTF-8 (byte 0x{err.object[err.start]:02x}); save "
+            "the file as UTF-8"
+        ) from None
+    except IsADirectoryError:
+        raise InputFileNotFoundError(f"{file}: a folder, not a YAML file") from None
+    except FileNotFoundError:
+        raise InputFileNotFoundError(f"{file}: no such file") from None
+    except OSError as err:
+        raise InputError(f"{file}: cannot be read ({err.strerror or err})") from None
+    try:
+        return yaml.load(text, Loader=_unique_keys_loader())
+    except yaml.YAMLError as err:
+        raise InputError(yaml_error(file, err)) from None
+
+
+def yaml_error(file: str | Path, err: Exception) -> str:
+    """yaml's error as one line: ``file:line:column: not a readable YAML file: what is
+    wrong (and where the construct it is in starts)``; yaml's own message spans several
+    lines and ends with a caret under a copy of the line, which names nothing."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return f"{file}: not a readable YAML file: {' '.join(str(err).split())}"
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and start is not None and (start.line, start.column) != (mark.line, mark.column):
+        problem += f" ({context} that starts at line {start.line + 1}, column {start.column + 1})"
+    elif context:
+        problem += f" ({context})"
+    if "'\\t'" in problem:
+        problem += "; YAML indents with spaces, not tabs"
+    what = "" if getattr(err, "ours", False) else "not a readable YAML file: "
+    return f"{file}:{mark.line + 1}:{mark.column + 1}: {what}{problem}"
 
 
 @functools.cache
@@ -628,15 +678,21 @@ def _unique_keys_loader() -> type:
 
     class UniqueKeys(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
-            seen = set()
+            seen = {}
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"{key!r} is given twice in one mapping; merge the two",
-                        key_node.start_mark,
+                try:
+                    again = key in seen
+                except TypeError:  # a key that cannot be hashed: yaml's own error, below
+                    break
+                if again:
+                    err = yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} is given twice in one mapping (first at line "
+                        f"{seen[key].line + 1}); merge the two", key_node.start_mark,
                     )  # fmt: skip
-                seen.add(key)
+                    err.ours = True  # a sentence of its own, not a syntax error
+                    raise err
+                seen[key] = key_node.start_mark
             return super().construct_mapping(node, deep=deep)
 
     return UniqueKeys

@@ -41,6 +41,7 @@ __all__ = [
     "RetrieverConfig",
     "RunConfig",
     "WandbConfig",
+    "check_resource_use",
     "foreign_sections",
     "load_config",
 ]
@@ -133,11 +134,55 @@ class WandbConfig:
         check_fields(self)
         if not self.project.strip():
             raise ValueError("wandb.project must name a project, got a blank string")
+        if "/" in self.project and self.entity is None:  # wandb's own 'entity/project'
+            team, _, project = self.project.partition("/")
+            raise ValueError(
+                f"wandb.project={self.project!r}: a project name cannot hold '/'; for project "
+                f"{project!r} of team {team!r} give --wandb.entity {team} --wandb.project "
+                f"{project}"
+            )
+        _check_wandb_name("project", self.project)
+        if self.entity is not None:
+            if not self.entity.strip() or any(c.isspace() for c in self.entity):
+                raise ValueError(
+                    f"wandb.entity={self.entity!r}: a wandb user or team name has no spaces "
+                    "(and is not blank); give the name in your wandb URL (wandb.ai/ENTITY), or "
+                    "null for your key's default entity"
+                )
+            _check_wandb_name("entity", self.entity)
+        if self.group is not None and not 1 <= len(self.group) <= WANDB_NAME_MAX:
+            raise ValueError(
+                f"wandb.group is {len(self.group)} characters; wandb takes a group of 1 to "
+                f"{WANDB_NAME_MAX} (null for none)"
+            )
         for tag in self.tags:
             if not tag.strip() or len(tag) > 64:
                 raise ValueError(
                     f"wandb.tags: {tag!r} is not a tag wandb takes (1 to 64 characters)"
                 )
+
+
+WANDB_NAME_MAX = 128
+"""The longest project, entity, group and run name wandb takes (its client refuses a
+longer project at ``wandb.init``; its server a longer group or run name)."""
+WANDB_FORBIDDEN = "/\\#?%:"
+"""What a wandb project name cannot hold (``wandb.sdk.wandb_settings``'s check, made at
+``wandb.init``, after the retriever is up); an entity is the project's path before it."""
+
+
+def _check_wandb_name(field: str, value: str) -> None:
+    """wandb's own rules for a project name (and, as the first part of a project's path,
+    an entity's), checked here so that a run is refused before Ray starts."""
+    if len(value) > WANDB_NAME_MAX:
+        raise ValueError(
+            f"wandb.{field} is {len(value)} characters; wandb takes at most {WANDB_NAME_MAX}"
+        )
+    found = "".join(sorted({c for c in value if c in WANDB_FORBIDDEN}))
+    if found:
+        raise ValueError(
+            f"wandb.{field}={value!r} holds {', '.join(map(repr, found))}, which wandb does not "
+            f"take in a {field} name ({' '.join(WANDB_FORBIDDEN)}); use '-' or '_' instead"
+        )
 
 
 @dataclass(frozen=True)
@@ -318,10 +363,23 @@ class ResourcesConfig:
                 f"resources.scorer_gpus must be a finite number >= 0, or null for a "
                 f"generator's, got {self.scorer_gpus}"
             )
+        if self.scorer_gpus is not None and self.scorer_gpus > 1:
+            raise ValueError(
+                f"resources.scorer_gpus={self.scorer_gpus:g}: the info-gain scorer is one model "
+                f"on one device, so {self.scorer_gpus - 1:g} of its GPUs would be held and never "
+                "used; give --resources.scorer_gpus 1, or a share below 1 (0.25: on generator "
+                "0's GPU)"
+            )
         if not 0 < self.learner_gpus <= 1:
             raise ValueError(
                 f"resources.learner_gpus must be in (0, 1]: a learner replica drives one GPU, "
                 f"or a share of one; got {self.learner_gpus}"
+            )
+        if self.learner_gpus != 1 and not self.use_gpu:
+            raise ValueError(
+                f"resources.learner_gpus={self.learner_gpus:g} is the GPU share of a learner "
+                "replica that trains on GPUs, but resources.use_gpu is false (it trains on "
+                "CPUs and asks for no GPU); add --resources.use_gpu true, or drop learner_gpus"
             )
         if self.learner_gpus < 1 and self.learner_workers > 1:
             raise ValueError(
@@ -433,6 +491,12 @@ class RunConfig:
             )
         if self.generator.backend == "vllm":
             _check_vllm(self.generator, self.resources, self.pipeline)
+        check_resource_use(self.resources, self.generator, self.retriever)
+        if self.wandb.mode != "disabled" and len(self.name) > WANDB_NAME_MAX:
+            raise ValueError(
+                f"name is {len(self.name)} characters, and it names the wandb run too, which "
+                f"takes at most {WANDB_NAME_MAX}; give a shorter --name (or --wandb disabled)"
+            )
 
 
 def _check_url(name: str, url: str | None, example: str) -> None:
@@ -447,11 +511,98 @@ def _check_vllm(gen: GeneratorConfig, res: ResourcesConfig, pipe: PipelineConfig
             "memory, which vLLM's workers do not join: vLLM generators load published weights "
             "through the object store; use --pipeline.weight_sync object_store"
         )
-    tp = gen.vllm.tensor_parallel_size
-    if tp > 1 and res.generator_gpus != tp:
+
+
+def check_resource_use(res: ResourcesConfig, gen: GeneratorConfig, retriever: Any) -> None:
+    """Refuse what an actor would ask Ray for and never use, and a share it would overrun
+    (a training run's, and ``pipelines/eval.py``'s, before Ray starts). Ray holds what an
+    actor asks for, for as long as it lives, away from every other actor: a second GPU a
+    generator's engine does not span is a GPU no one computes on, without a word. Each
+    refusal names the flag and what to set. The info-gain scorer's GPUs are checked with
+    the plan that has one (:func:`~ray_credit.pipeline.placement.run_asks`)."""
+    gpus, tp = res.generator_gpus, gen.vllm.tensor_parallel_size
+    if gen.backend == "vllm":
+        if tp > 1 and gpus != tp:
+            raise ValueError(
+                f"generator.vllm.tensor_parallel_size={tp} spans {tp} GPUs, but each generator "
+                f"asks Ray for resources.generator_gpus={gpus:g}; set them equal"
+            )
+        if tp == 1 and gpus > 1:
+            raise ValueError(
+                f"resources.generator_gpus={gpus:g} gives each generator {gpus:g} GPUs, but its "
+                "vLLM engine runs on one (generator.vllm.tensor_parallel_size=1): the others "
+                "would be held and never used; set --resources.generator_gpus 1, or "
+                f"--generator.vllm.tensor_parallel_size {gpus:g} to span them"
+            )
+        util = gen.vllm.gpu_memory_utilization
+        if 0 < gpus < 1 and util > gpus + 1e-9:
+            raise ValueError(
+                f"resources.generator_gpus={gpus:g} gives each generator {gpus:g} of a GPU, but "
+                f"its vLLM engine takes generator.vllm.gpu_memory_utilization={util:g} of the "
+                "GPU's memory, more than its share, and fails to start beside the actors "
+                f"sharing the GPU; set --generator.vllm.gpu_memory_utilization {gpus:g} or "
+                "less, or --resources.generator_gpus 1"
+            )
+    else:
+        if tp > 1:
+            raise ValueError(
+                f"generator.vllm.tensor_parallel_size={tp} is a setting of vLLM's engine, and "
+                f"generator.backend is {gen.backend!r}, which does not read it; use "
+                "--generator.backend vllm, or drop the setting"
+            )
+        if gpus > 1:
+            raise ValueError(
+                f"resources.generator_gpus={gpus:g} gives each generator {gpus:g} GPUs, but a "
+                f"{gen.backend} generator computes on one device: the others would be held "
+                "and never used; set --resources.generator_gpus 1 (or a share below 1), or "
+                f"span them with --generator.backend vllm --generator.vllm.tensor_parallel_size "
+                f"{gpus:g}"
+            )
+    if retriever.url:
+        for name, unused in (("retriever_gpus", res.retriever_gpus > 0),
+                             ("retriever_replicas", res.retriever_replicas > 1)):  # fmt: skip
+            if unused:
+                raise ValueError(
+                    f"resources.{name}={getattr(res, name):g} is for the retriever actors a run "
+                    f"builds, and retriever.url={retriever.url!r} searches a server instead "
+                    f"(no retriever actor starts); drop one of them"
+                )
+        return
+    index = retriever.index
+    if res.retriever_gpus > 1 and (index.use_gpu is False or index.kind == "hnsw"):
+        hnsw = index.kind == "hnsw"
+        why = "faiss runs HNSW on CPUs only" if hnsw else "retriever.index.use_gpu is false"
         raise ValueError(
-            f"generator.vllm.tensor_parallel_size={tp} spans {tp} GPUs, but each generator "
-            f"asks Ray for resources.generator_gpus={res.generator_gpus:g}; set them equal"
+            f"resources.retriever_gpus={res.retriever_gpus:g}: a retriever's encoder runs on "
+            f"one GPU, and its index on none ({why}), so the others would be held and never "
+            "used; set --resources.retriever_gpus 1 (or shard a flat or IVF index over them "
+            "with faiss-gpu: --retriever.index.use_gpu true)"
+        )
+    devices = index.devices()
+    if devices is None or index.use_gpu is False or index.kind == "hnsw":
+        return
+    seen = math.ceil(res.retriever_gpus)  # the devices Ray makes visible to the actor
+    if not seen:
+        raise ValueError(
+            f"retriever.index.gpu_devices={index.gpu_devices!r} names GPUs, but the retriever "
+            "asks Ray for none (resources.retriever_gpus=0); give --resources.retriever_gpus "
+            "N, or leave gpu_devices 'all'"
+        )
+    beyond = [d for d in devices if d >= seen]
+    if beyond:
+        raise ValueError(
+            f"retriever.index.gpu_devices={index.gpu_devices!r} names device {beyond[0]}, but "
+            f"each retriever actor sees only the {seen} GPU(s) it asks Ray for "
+            f"(resources.retriever_gpus={res.retriever_gpus:g}: devices 0 to {seen - 1}); give "
+            "devices below that, 'all', or more resources.retriever_gpus"
+        )
+    used = {0, *devices}  # the encoder computes on device 0
+    if len(used) < seen:
+        raise ValueError(
+            f"retriever.index.gpu_devices={index.gpu_devices!r} and the encoder (device 0) use "
+            f"{len(used)} of the {seen} GPUs each retriever actor asks for "
+            f"(resources.retriever_gpus={res.retriever_gpus:g}): the others would be held and "
+            f"never used; give gpu_devices 'all', or --resources.retriever_gpus {len(used)}"
         )
 
 

@@ -28,12 +28,15 @@ from typing import Any
 from ray_credit.config import InputError
 
 __all__ = [
+    "EVALUATION",
     "PHASES",
     "Ask",
+    "ClusterNodes",
     "Node",
     "Placement",
     "PlacementError",
     "cluster_nodes",
+    "evaluation_asks",
     "held_in",
     "local_nodes",
     "nodes_of_cluster_yaml",
@@ -50,7 +53,10 @@ TITLES = {
     "eval_before": "evaluation before training",
     "training": "training",
     "eval_after": "evaluation after training",
+    "evaluation": "the evaluation",  # pipelines/eval.py's one phase (EVALUATION)
 }
+EVALUATION = "evaluation"
+"""The one phase of ``pipelines/eval.py``'s actors (:func:`evaluation_asks`)."""
 _EPS = 1e-9
 
 
@@ -139,7 +145,7 @@ _SHORT = {"base": "base eval", "warm_start": "warm-start", "eval_before": "eval 
 
 
 def _phases(phases: Sequence[str]) -> str:
-    if tuple(phases) == PHASES:
+    if tuple(phases) in (PHASES, (EVALUATION,)):
         return "the whole run"
     names = [_SHORT[p] for p in phases]
     at = [PHASES.index(p) for p in phases]
@@ -184,8 +190,21 @@ def run_asks(cfg: Any, services: set[str]) -> list[Ask]:
     on_training = ev.enabled and ev.generators == "training"
     gen_phases = after if on_training else ("training",)
     shares = "scorer" in services and scorer_shares_gpu(res)
+    if "scorer" not in services and res.scorer_gpus is not None:
+        raise InputError(
+            f"resources.scorer_gpus={res.scorer_gpus:g} is for the info-gain scorer of a run "
+            "that has one (pipelines/igpo.py, pipelines/a2tgpo.py), and this run has none; "
+            "drop it"
+        )
     if "scorer" in services:
         gpus = res.generator_gpus if res.scorer_gpus is None else res.scorer_gpus
+        if gpus > 1:  # a generator's GPUs, that a tensor-parallel engine spans
+            raise InputError(
+                f"resources.scorer_gpus is unset, so the info-gain scorer asks a generator's "
+                f"{gpus:g} GPUs (resources.generator_gpus), but it is one model on one device: "
+                f"{gpus - 1:g} would be held and never used; give --resources.scorer_gpus 1 "
+                "(or a share below 1)"
+            )
         custom = {} if shares else res.custom("generator")  # it rides in generator 0's
         asks.append(Ask("info-gain scorer", res.generator_cpus, gpus, custom,
                         gen_phases[:2] if on_training else ("training",),
@@ -202,14 +221,32 @@ def run_asks(cfg: Any, services: set[str]) -> list[Ask]:
     return asks
 
 
+def evaluation_asks(cfg: Any) -> list[Ask]:
+    """What ``pipelines/eval.py``'s actors ask for: the retriever replicas (none for a
+    retriever server) and ``resources.num_generators`` generators, up together in its one
+    phase (:data:`EVALUATION`)."""
+    res = cfg.resources
+    asks = [] if cfg.retriever.url else [
+        Ask("retriever" if res.retriever_replicas == 1 else f"retriever {i}", res.retriever_cpus,
+            res.retriever_gpus, res.custom("service"), (EVALUATION,))
+        for i in range(res.retriever_replicas)
+    ]  # fmt: skip
+    return asks + [
+        Ask(f"generator {i}", res.generator_cpus, res.generator_gpus, res.custom("generator"),
+            (EVALUATION,))
+        for i in range(res.num_generators)
+    ]  # fmt: skip
+
+
 def place(asks: Sequence[Ask], nodes: Sequence[Node], source: str) -> Placement:
     """Pack ``asks`` on ``nodes`` phase by phase (module docstring); raises
     :class:`PlacementError` with the arithmetic when a phase cannot fit."""
+    budget = getattr(nodes, "max_workers", None)  # a cluster YAML's: workers up at once
     nodes = [Node(n.name, n.cpus, n.gpus, dict(n.custom)) for n in nodes]  # fresh free counts
     spots: dict[str, Spot] = {}  # where each ask is up now
     shown: dict[str, Spot] = {}  # where each went first (the table's)
     peak: dict[str, tuple[float, str]] = {}
-    for phase in PHASES:
+    for phase in (*PHASES, EVALUATION):
         for ask in asks:  # those not up in this phase give back what they held
             if ask.name in spots and phase not in ask.phases:
                 _release(nodes[spots[ask.name].node], ask, spots.pop(ask.name))
@@ -219,6 +256,14 @@ def place(asks: Sequence[Ask], nodes: Sequence[Node], source: str) -> Placement:
         _check_totals(asks, nodes, phase)
         for unit in _units(new):
             _place_unit(unit, nodes, spots, phase)
+        workers = sorted({spot.node for spot in spots.values()} - {0})  # node 0: the head
+        if budget is not None and len(workers) > budget:
+            raise PlacementError(
+                f"{TITLES[phase]} needs {len(workers)} worker nodes at once "
+                f"({', '.join(nodes[i].name for i in workers)}), and the cluster's "
+                f"max_workers lets the autoscaler run {budget}: raise max_workers in the "
+                "cluster YAML, or ask for less (--resources.num_generators, learner_workers)"
+            )
         for name, spot in spots.items():
             shown.setdefault(name, spot)
         held = held_in(asks, phase)
@@ -425,32 +470,147 @@ def cluster_nodes(res: Any, live: Sequence[Mapping[str, Any]]) -> tuple[list[Nod
 
 def nodes_of_cluster_yaml(path: str) -> list[Node]:
     """Every node a cluster launcher YAML lets the autoscaler run: the head, and each
-    worker type up to its max_workers (and the file's max_workers in all)."""
-    import yaml
+    worker type up to its max_workers (and the file's max_workers in all; a worker type
+    without one may start that many, as Ray fills it in). The file is checked as far as
+    the plan reads it, each refusal an :class:`~ray_credit.config.InputError` naming the
+    file, the node type and the key (``cluster.yaml: available_node_types.gpu_worker.
+    resources.CPU: expected a number, got 'many'``), where Ray's own check would fail
+    later, on the cluster, or a Python conversion here would name nothing."""
+    from ray_credit.config import InputFileNotFoundError, read_yaml_file
 
+    if not Path(path).expanduser().is_file():
+        raise InputFileNotFoundError(
+            f"resources.cluster_config {path!r}: no such file; give the cluster launcher YAML "
+            "the cluster runs with (the file given to `ray up`, such as cluster.yaml)"
+        )
+    where = f"resources.cluster_config {path}"
     try:
-        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        types = config["available_node_types"]
-        head = config["head_node_type"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
+        config = read_yaml_file(Path(path).expanduser())
+    except InputError as err:  # it names the file, the line and the column
+        raise type(err)(f"resources.cluster_config {err}") from None
+    usage = "a cluster launcher YAML (as `ray up` takes): available_node_types, head_node_type"
+    if config is None:
+        raise InputError(f"{where}: the file is empty; give {usage}")
+    if not isinstance(config, dict):
+        raise InputError(f"{where}: the top level is a {_kind(config)}; give {usage}")
+    for key in ("available_node_types", "head_node_type"):
+        if key not in config:
+            raise InputError(f"{where}: {key} is missing; give {usage}")
+    types = config["available_node_types"]
+    if not isinstance(types, dict):
         raise InputError(
-            f"resources.cluster_config={path!r}: not a cluster launcher YAML with "
-            f"available_node_types and head_node_type ({type(err).__name__}: {err})"
-        ) from None
-    budget = int(config.get("max_workers", 1 << 30))
-    nodes = [_yaml_node(head, types[head], 0)]
+            f"{where}: available_node_types: expected a mapping of node type names to their "
+            f"resources, node_config, min_workers and max_workers, got a {_kind(types)}"
+        )
+    if not types:
+        raise InputError(
+            f"{where}: available_node_types is empty; list the head's node type and the "
+            "workers' (each with its resources and max_workers)"
+        )
+    head = config["head_node_type"]
+    if not isinstance(head, str) or head not in types:
+        raise InputError(
+            f"{where}: head_node_type {head!r} is not one of available_node_types "
+            f"({', '.join(map(str, types))}); name the head's type there"
+        )
+    budget = _count(config, "max_workers", where, "max_workers")
     for name, spec in types.items():
-        if name == head:
-            continue
-        count = min(int(spec.get("max_workers", 0)), budget)
-        nodes += [_yaml_node(name, spec, i) for i in range(count)]
+        key = f"available_node_types.{name}"
+        if not isinstance(spec, dict):
+            raise InputError(
+                f"{where}: {key}: expected a mapping (resources, node_config, min_workers, "
+                f"max_workers), got a {_kind(spec)}"
+            )
+        low = _count(spec, "min_workers", where, f"{key}.min_workers")
+        high = _count(spec, "max_workers", where, f"{key}.max_workers")
+        if low is not None and high is not None and low > high:
+            raise InputError(
+                f"{where}: {key}: min_workers {low} is above max_workers {high}; the "
+                "autoscaler keeps at least min_workers and at most max_workers of the type"
+            )
+        if name != head and high is None and budget is None:
+            raise InputError(
+                f"{where}: {key} has no max_workers and the file no global max_workers (Ray "
+                "then takes its provider's default); give max_workers, the most nodes of "
+                "this type the autoscaler may start"
+            )
+        _resources(spec, where, key)
+    lowest = sum(_count(spec, "min_workers", where, "") or 0 for spec in types.values())
+    if budget is not None and lowest > budget:
+        raise InputError(
+            f"{where}: max_workers {budget} is below the node types' min_workers together "
+            f"({lowest}); raise max_workers or lower a type's min_workers"
+        )
+    nodes = ClusterNodes([_yaml_node(head, _resources(types[head], where, ""), 0)])
+    nodes.max_workers = budget
+    for name, spec in types.items():
+        high = _count(spec, "max_workers", where, "")
+        if high is None:  # Ray's fill-in: the head's type none, a worker's the file's
+            high = 0 if name == head else budget
+        count = high if budget is None else min(high, budget)
+        resources = _resources(spec, where, "")
+        first = 1 if name == head else 0  # workers of the head's type follow the head
+        nodes += [_yaml_node(name, resources, i) for i in range(first, first + count)]
     return nodes
 
 
-def _yaml_node(name: str, spec: Mapping[str, Any], i: int) -> Node:
-    resources = dict(spec.get("resources") or {})
-    custom = {k: float(v) for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
-    return Node(f"{name}#{i}", float(resources.get("CPU", 0)), int(resources.get("GPU", 0)), custom)
+class ClusterNodes(list):
+    """The nodes of a cluster launcher YAML (:func:`nodes_of_cluster_yaml`): the head,
+    then every worker the autoscaler may start, of which at most ``max_workers`` (the
+    file's) are up at once (:func:`place` holds a plan to it)."""
+
+    max_workers: int | None = None
+
+
+def _kind(value: Any) -> str:
+    """``a list``, ``a string``: what a YAML value is, in the words of a YAML file."""
+    if value is None:
+        return "null"
+    names = {dict: "mapping", list: "list", str: "string", bool: "boolean", int: "number",
+             float: "number"}  # fmt: skip
+    return names.get(type(value), type(value).__name__)
+
+
+def _count(mapping: Mapping[str, Any], key: str, where: str, name: str) -> int | None:
+    """A count of nodes (``max_workers``, ``min_workers``): a whole number >= 0, or None
+    where the key is not given; anything else refused, naming ``name``."""
+    if key not in mapping:
+        return None
+    value = mapping[key]
+    whole = isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    if isinstance(value, bool) or not whole or value < 0:
+        raise InputError(f"{where}: {name}: expected a whole number of nodes >= 0, got {value!r}")
+    return int(value)
+
+
+def _resources(spec: Mapping[str, Any], where: str, key: str) -> dict[str, int]:
+    """A node type's resources: names to whole numbers >= 0, as Ray's cluster schema takes
+    them (a bool, a string, a fraction refused, naming the key)."""
+    resources = spec.get("resources", {})
+    if resources is None:
+        resources = {}
+    if not isinstance(resources, dict):
+        raise InputError(
+            f"{where}: {key}.resources: expected a mapping of resource names to numbers "
+            f"({{CPU: 8, GPU: 1}}), got a {_kind(resources)}"
+        )
+    out = {}
+    for name, value in resources.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise InputError(f"{where}: {key}.resources.{name}: expected a number, got {value!r}")
+        if value < 0 or not float(value).is_integer():
+            raise InputError(
+                f"{where}: {key}.resources.{name}: expected a whole number >= 0 (Ray's "
+                f"cluster schema takes no fractions), got {value!r}"
+            )
+        out[str(name)] = int(value)
+    return out
+
+
+def _yaml_node(name: str, resources: Mapping[str, int], i: int) -> Node:
+    custom = {k: float(v) for k, v in resources.items()
+              if k not in ("CPU", "GPU", "memory", "object_store_memory")}  # fmt: skip
+    return Node(f"{name}#{i}", float(resources.get("CPU", 0)), resources.get("GPU", 0), custom)
 
 
 # Filesystems every node of a cluster may mount as one (a local path on one is shared).

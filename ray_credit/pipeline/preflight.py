@@ -1,8 +1,8 @@
 """Checks that run before Ray starts: whatever a user handed us that an actor would
 otherwise refuse minutes later, after the warm-start, with a traceback (a model name, the
 judge's model, the prompt template, the corpus, the encoder, an index folder, a
-checkpoint to resume, demonstrations the warm-start cannot write). Each refusal is an
-:class:`~ray_credit.config.InputError` that names the setting and what to do.
+checkpoint to resume, demonstrations the warm-start cannot write, a cluster's YAML). Each
+refusal is an :class:`~ray_credit.config.InputError` that names the setting and what to do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from typing import Any
 
 from ray_credit.storage import StoragePath
 
-__all__ = ["check_model", "check_resume_folder", "checked_demonstrations", "preflight"]
+__all__ = [
+    "check_cluster_config",
+    "check_model",
+    "check_resume_folder",
+    "checked_demonstrations",
+    "preflight",
+]
 
 
 def preflight(cfg: Any, train_q: list[dict]) -> None:
@@ -37,6 +43,48 @@ def preflight(cfg: Any, train_q: list[dict]) -> None:
     except ValueError as err:
         raise InputError(str(err)) from None
     check_retrieval(cfg)
+    check_cluster_config(cfg)
+
+
+def check_cluster_config(cfg: Any) -> None:
+    """``resources.cluster_config``, read and checked before Ray starts: a file that is not
+    there or not a cluster launcher YAML is refused, naming the file, the node type and the
+    key (:func:`~ray_credit.pipeline.placement.nodes_of_cluster_yaml`). A run that starts a
+    local Ray of its own (no RAY_ADDRESS: not submitted to a cluster) places its actors
+    on this machine, never on the file's node types, and is refused with it: the user who
+    names a cluster's YAML means the run to go to that cluster. The other way round, a run
+    that joins a cluster (RAY_ADDRESS) is refused with the local Ray's sizes
+    (``resources.local_cpus``, ``local_gpus``), which it never reads."""
+    import os
+    import sys
+
+    from ray_credit.config import InputError
+    from ray_credit.pipeline.placement import nodes_of_cluster_yaml
+
+    res = cfg.resources
+    if os.environ.get("RAY_ADDRESS"):  # the cluster's nodes are what they are
+        for name in ("local_cpus", "local_gpus"):
+            if getattr(res, name) is not None:
+                raise InputError(
+                    f"resources.{name}={getattr(res, name)} sizes the local Ray a run starts "
+                    f"on this machine, and this run joins the cluster at RAY_ADDRESS "
+                    f"({os.environ['RAY_ADDRESS']}), whose nodes have what they have; drop "
+                    f"--resources.{name} (--resources.cluster_config places the run against "
+                    "the cluster's node types)"
+                )
+    path = res.cluster_config
+    if path is None:
+        return
+    nodes_of_cluster_yaml(path)
+    ray = sys.modules.get("ray")  # a Ray this process joined already: the file places on it
+    if not os.environ.get("RAY_ADDRESS") and not (ray is not None and ray.is_initialized()):
+        raise InputError(
+            f"resources.cluster_config {path}: this run is not on a cluster (RAY_ADDRESS is "
+            "not set), so it would start a local Ray and place its actors on this machine, "
+            "not on the file's node types; submit it to the cluster (`ray job submit "
+            "--address http://HEAD:8265 --working-dir . -- python ...`), or drop "
+            "--resources.cluster_config"
+        )
 
 
 def check_retrieval(cfg: Any) -> None:

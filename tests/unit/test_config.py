@@ -92,6 +92,9 @@ def test_unknown_yaml_key_is_an_error(tmp_path, capsys):
         # a section another config has
         (["--igpo.gamma", "0.5"], "igpo:\n  gamma: 0.5\n", "igpo belongs elsewhere"),
         (["--inner", "1"], "inner: 1\n", "{d}inner is a section"),
+        # a setting of the run's put in a section (wandb.init's name is the run's --name)
+        (["--inner.name", "x"], "inner:\n  name: x\n", "inner has no setting 'name'; its "
+         "settings: {d}inner.lr, {d}inner.betas, {d}inner.total; did you mean {d}name?"),
     ],
 )  # fmt: skip
 def test_an_unknown_flag_or_key_says_what_was_meant(tmp_path, capsys, argv, yaml, message):
@@ -155,7 +158,25 @@ def test_pairs_take_two_values_and_yaml_errors_name_the_file(tmp_path, capsys):
     file.write_text("inner: [unclosed\n")
     with pytest.raises(SystemExit):
         parse_config(Outer, ["--config", str(file)])
-    assert f"--config {file}: not a readable YAML file" in capsys.readouterr().err
+    # one line that names the file, the line and column and what is wrong, not yaml's
+    # message of five lines ending in a caret under a copy of the line
+    *_, last = capsys.readouterr().err.splitlines()
+    assert last.endswith(
+        f"error: --config {file}:2:1: not a readable YAML file: expected ',' or ']', but got "
+        "'<stream end>' (while parsing a flow sequence that starts at line 1, column 8)"
+    ), last
+    file.write_text("inner:\n\tlr: 0.5\n")
+    with pytest.raises(SystemExit):
+        parse_config(Outer, ["--config", str(file)])
+    *_, last = capsys.readouterr().err.splitlines()
+    assert last.endswith(
+        f"--config {file}:2:1: not a readable YAML file: found character '\\t' that cannot "
+        "start any token (while scanning for the next token); YAML indents with spaces, not tabs"
+    ), last
+    file.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(SystemExit):
+        parse_config(Outer, ["--config", str(file)])
+    assert f"--config {file}:1:10: not UTF-8 (byte 0xe9)" in capsys.readouterr().err
 
 
 def test_default_config_file_and_skipped_sections(tmp_path):
@@ -220,7 +241,10 @@ def test_a_yaml_key_given_twice_is_refused(tmp_path, capsys):
     file.write_text("inner:\n  lr: 0.5\nname: x\ninner:\n  total: 3\n")  # inner's lr lost
     with pytest.raises(SystemExit):
         parse_config(Outer, ["--config", str(file)])
-    assert "'inner' is given twice in one mapping" in capsys.readouterr().err
+    assert (
+        f"--config {file}:4:1: 'inner' is given twice in one mapping (first at line 1); merge "
+        "the two\n"
+    ) in capsys.readouterr().err
 
 
 def test_config_classes_refuse_values_of_the_wrong_type():
@@ -506,6 +530,40 @@ def test_wandb_takes_its_mode_alone_or_its_project_entity_group_and_tags(tmp_pat
         parse_config(RunConfig, ["--wandb", "loud"])
     with pytest.raises(ValueError, match="wandb.project must name a project"):
         replace_path(RunConfig(), "wandb.project", " ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--wandb.project", "team/proj"], "wandb.project='team/proj': a project name cannot "
+         "hold '/'; for project 'proj' of team 'team' give --wandb.entity team --wandb.project "
+         "proj"),
+        (["--wandb.project", "a:b?", "--wandb.entity", "lab"], r"wandb.project='a:b\?' holds ':', "
+         r"'\?', which wandb does not take in a project name \(/ \\ # \? % :\); use '-' or '_'"),
+        (["--wandb.project", "p" * 129], "wandb.project is 129 characters; wandb takes at most "
+         "128"),
+        (["--wandb.entity", "my team"], "wandb.entity='my team': a wandb user or team name has no "
+         "spaces"),
+        (["--wandb.entity", "lab#1"], "wandb.entity='lab#1' holds '#'"),
+        (["--wandb.entity", "e" * 129], "wandb.entity is 129 characters"),
+        (["--wandb.group", "g" * 129], "wandb.group is 129 characters; wandb takes a group of 1 "
+         "to 128"),
+        (["--wandb.tags", "t" * 65], "is not a tag wandb takes"),
+        (["--name", "n" * 129], "name is 129 characters, and it names the wandb run too, which "
+         r"takes at most 128; give a shorter --name \(or --wandb disabled\)"),
+    ],
+)  # fmt: skip
+def test_wandb_names_are_held_to_wandbs_rules_before_ray(argv, message, capsys):
+    """What wandb.init would refuse after the retriever is up (its client's rules for a
+    project, the server's lengths), refused with the settings, naming the fix."""
+    from ray_credit.pipeline.configs import RunConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(RunConfig, argv)
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert re.search(message, last), last
+    # a long name is a folder name still, when no wandb run is made
+    assert parse_config(RunConfig, ["--name", "n" * 129, "--wandb", "disabled"]).name == "n" * 129
 
 
 def test_the_logger_opens_wandb_with_the_runs_project_entity_group_and_tags(tmp_path, monkeypatch):

@@ -132,6 +132,24 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path, monkeypatch):
          "embedding dimension 384"),
         (["--retriever.index_file", str(tmp_path / "e5_Flat.index")], "retriever.index_file "
          "'.*e5_Flat.index' does not exist"),
+        # a cluster launcher YAML: a file named is there, reads and is used
+        (["--resources.cluster_config", str(tmp_path / "missing.yaml")], "resources."
+         "cluster_config '.*missing.yaml': no such file; give the cluster launcher YAML"),
+        (["--resources.cluster_config", str(tmp_path / "many.yaml")], "resources.cluster_config "
+         ".*many.yaml: available_node_types.generator_gpu.resources.CPU: expected a number, got "
+         "'many'"),
+        (["--resources.cluster_config", str(ROOT / "cluster.yaml")], "resources.cluster_config "
+         ".*cluster.yaml: this run is not on a cluster \\(RAY_ADDRESS is not set\\), so it "
+         "would start a local Ray"),
+    ]  # fmt: skip
+    many = (ROOT / "cluster.local.yaml").read_text()
+    many = many.replace("{CPU: 2, GPU: 1, generator: 1}", "{CPU: many, GPU: 1, generator: 1}")
+    assert "CPU: many" in many
+    (tmp_path / "many.yaml").write_text(many)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a run that starts a local Ray
+    cluster = [  # one that joins a cluster has no local Ray to size
+        (["--resources.local_gpus", "8"], "resources.local_gpus=8 sizes the local Ray a run "
+         "starts on this machine, and this run joins the cluster at RAY_ADDRESS"),
     ]  # fmt: skip
     questions = [{"id": str(i), "question": f"who is {i}?", "golden_answers": [f"p{i}"]}
                  for i in range(3)]  # fmt: skip
@@ -142,7 +160,9 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(recipe, "connect", _no_ray)  # refused before Ray starts
     script = ROOT / "pipelines" / "tspo.py"
-    for i, (flags, message) in enumerate(cases):
+    for i, (flags, message) in enumerate(cases + cluster):
+        if i == len(cases):
+            monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:9")  # never reached: refused
         flags = [*flags, "--output_dir", str(tmp_path / "runs"), "--wandb", "disabled"]
         if i == 0:  # the script itself: exit status 1, one line on stderr, no traceback
             out = subprocess.run(
@@ -378,7 +398,26 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys, monkeypatch):
         ([*data, "--model", str(tmp_path / "none")], "--model='.*none': no such"),
         ([*data, "--split", "heldout", "--model", str(tmp_path / "none")],
          "data.eval_questions=120 must hold out"),
+        # an eval file is what is evaluated: a --split that would leave it out is refused
+        ([*data, "--data.eval_file", str(tmp_path / "q.jsonl"), "--split", "all"],
+         "--split all evaluates every question of data.questions, and data.eval_file=.* would go "
+         "unevaluated; drop --split"),
+        # the held-out split of a checkpoint's own questions is the one its run held out
+        ([*data, "--model", str(tmp_path / "run")], "--model .*run: its run held out questions "
+         "with pipeline.seed=3; eval.py's --seed 0 holds out others, some of them trained on: "
+         "pass --seed 3"),
+        ([*data, "--model", str(tmp_path / "run"), "--seed", "3"], "its run held out "
+         "data.eval_questions=1; 120 here picks others.*pass --data.eval_questions 1"),
+        (["--model", str(tmp_path / "synthetic")], "its run trained on another synthetic world "
+         "\\(it differs in num_entities\\).*pass --data.world.num_entities 20"),
+        (["--resources.cluster_config", str(tmp_path / "missing.yaml")],
+         "resources.cluster_config '.*missing.yaml': no such file"),
     ]  # fmt: skip
+    run = {"data": {"questions": str(tmp_path / "q.jsonl"), "eval_questions": 1,
+                    "eval_file": None}, "pipeline": {"seed": 3}}  # fmt: skip
+    _checkpoint(tmp_path / "run", run)
+    _checkpoint(tmp_path / "synthetic", {"data": {"questions": "synthetic", "eval_questions": 120,
+                                                  "world": {"num_entities": 20}}})  # fmt: skip
     script = ROOT / "pipelines" / "eval.py"
     eval_main = run_config_class(script, "main")
     monkeypatch.setitem(eval_main.__globals__, "connect", _no_ray)  # refused before Ray
@@ -398,6 +437,45 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys, monkeypatch):
             error = capsys.readouterr().err + ("" if code == 2 else str(exit_.value.code))
         assert code == status, (flags, error[-2000:])
         assert re.search(message, error), (flags, error[-2000:])
+
+
+def _checkpoint(folder: Path, run_config: dict) -> None:
+    """A training run's checkpoint folder as eval.py reads it: a step's state with the
+    run's config, and a policy folder."""
+    step = folder / "step_000002"
+    (step / "learner" / "model").mkdir(parents=True)
+    (step / "learner" / "model" / "config.json").write_text("{}")
+    state = {"step": 2, "metadata": {"run_config": run_config}}
+    (step / "pipeline.json").write_text(json.dumps(state))
+
+
+def test_eval_evaluates_the_eval_file_it_is_given_and_says_which(tmp_path, capsys, monkeypatch):
+    """pipelines/eval.py with --data.eval_file evaluates every question of that file, as a
+    training run given one evaluates it (it used to evaluate the training questions, or
+    all of data.questions, without a word); the line before Ray names the file and the
+    count. A checkpoint's held-out split with its run's seed is evaluated as such."""
+    questions = [{"question": f"who is {i}?", "golden_answers": [f"p{i}"]} for i in range(5)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions[:3]))
+    (tmp_path / "c.jsonl").write_text('{"id": "d0", "contents": "P0\\np0 is 0."}\n')
+    train = str(tmp_path / "train.jsonl")
+    _checkpoint(tmp_path / "run", {"data": {"questions": train, "eval_questions": 2,
+                                            "eval_file": None}, "pipeline": {"seed": 3}})  # fmt: skip
+    data = ["--data.questions", train, "--data.corpus", str(tmp_path / "c.jsonl")]
+    script = ROOT / "pipelines" / "eval.py"
+    eval_main = run_config_class(script, "main")
+    monkeypatch.setitem(eval_main.__globals__, "connect", _no_ray)
+    for flags, line in (
+        ([*data, "--data.eval_file", str(tmp_path / "test.jsonl")],
+         "evaluating 3 questions: split eval_file, every question of data.eval_file "
+         f"{tmp_path / 'test.jsonl'}"),
+        ([*data, "--seed", "3", "--data.eval_questions", "2"],
+         f"evaluating 2 questions: split heldout, those held out of data.questions {train} by "
+         f"--seed 3 (data.eval_questions 2; the checkpoint's run trained on {train})"),
+    ):  # fmt: skip
+        with pytest.raises(AssertionError, match="went on to start Ray"), _argv0(script):
+            eval_main([*flags, "--model", str(tmp_path / "run")])
+        assert line in capsys.readouterr().out.splitlines(), flags
 
 
 @pytest.mark.parametrize(
