@@ -9,12 +9,28 @@ the same --name and --storage_path resuming there.
         --fit.autocast bfloat16 --storage_path s3://bucket/sft
     ray job submit --working-dir . -- python pipelines/sft.py --data /shared/demos.jsonl ...
 
-Each line of the file is a chat, {"messages": [{"role": "user", "content": ...},
-{"role": "assistant", "content": ...}, ...]} (the model's chat template; every assistant
-message is taught), or plain text, {"prompt": ..., "completion": ...} (the completion
-and an end-of-sequence token are taught). The loss is the token mean of the taught
-tokens' cross-entropy; AdamW with linear decay. The fitted policy is a model folder
-(--out) that any pipeline takes as --model.
+The file is JSON lines (.jsonl, or .jsonl.gz), one JSON array of rows (.json) or
+.parquet. Each row is one of:
+
+  a chat, {"messages": [{"role": "user", "content": ...}, {"role": "assistant",
+    "content": ...}, ...]} (roles system, user, assistant, tool; an assistant message
+    may carry tool_calls), or ShareGPT's {"conversations": [{"from": "human", "value":
+    ...}, {"from": "gpt", "value": ...}]} (roles human, gpt, system): rendered by the
+    model's chat template, every assistant message taught (all the replies of a
+    multi-turn chat, as TRL's SFTTrainer with assistant_only_loss), from after its header
+    to its end-of-turn token;
+  TRL's conversational prompt/completion, {"prompt": [messages], "completion":
+    [messages]}: the completion's assistant messages taught, the prompt context (a chat
+    whose earlier replies should not be taught is written so);
+  TRL's standard prompt/completion, {"prompt": "...", "completion": "..."}: the
+    completion and an end-of-sequence token taught.
+
+A row with nothing to teach (no assistant message; a null, empty or whitespace-only
+reply), a content that is not text, an unknown role, an unknown shape or two shapes in
+one row is refused with its file and line; so are demonstrations over --max_tokens, all
+of them counted (none is cut). Nothing is skipped but blank lines. The loss is the token
+mean of the taught tokens' cross-entropy; AdamW with linear decay. The fitted policy is a
+model folder (--out) that any pipeline takes as --model.
 """
 
 from __future__ import annotations
@@ -37,7 +53,7 @@ class SFTRun:
     model: str = "smollm2-135m"
     """The policy to fine-tune: an embedded name, an HF id or a folder."""
     data: str = ""
-    """The demonstrations file (jsonl; see above)."""
+    """The demonstrations file (.jsonl, .json or .parquet; see above)."""
     out: str = "runs/sft/policy"
     """Where the fitted policy is saved (a model folder)."""
     name: str = "sft"
@@ -46,7 +62,8 @@ class SFTRun:
     """Where the checkpoints go: a path every node sees or a URI (s3://...). None: the
     folder of --out."""
     max_tokens: int = 4096
-    """The longest demonstration taken (a longer one is refused, naming its line)."""
+    """The longest demonstration taken (longer ones are refused, counted, the first named by
+    its line)."""
     fit: FitConfig = field(default_factory=FitConfig)
     """How it trains and on what workers."""
     log_level: LogLevel = "info"
@@ -69,7 +86,10 @@ def main(argv=None) -> dict:
     out = Path(cfg.out).resolve()
     try:  # everything handed to us is checked before Ray starts
         if not cfg.data or not Path(cfg.data).is_file():
-            raise InputError(f"--data {cfg.data!r}: no such file; give a demonstrations jsonl")
+            raise InputError(
+                f"--data {cfg.data!r}: no such file; give a demonstrations file (.jsonl, .json "
+                "or .parquet)"
+            )
         check_model("--model", cfg.model)
         if out.exists() and any(out.iterdir()):
             raise InputError(f"--out {out} is not empty; give a new folder")

@@ -27,7 +27,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -120,10 +120,27 @@ def fine_tune(
         ),
     )
     t0 = time.perf_counter()
-    trainer.fit()
+    _fit_and_let_go(trainer)
     metrics = json.loads((Path(out) / _METRICS).read_text())
     (Path(out) / _METRICS).unlink()
     return {**metrics, "seconds": time.perf_counter() - t0}
+
+
+def _fit_and_let_go(trainer: Any) -> None:
+    """``trainer.fit()``, then the SIGINT handler it installs in the main thread put back.
+    Ray Train's handler holds the job's controller actor, which therefore outlives the
+    job (about 0.4 GB resident beside the RL run that follows a warm-start); with the
+    handler gone, Ray reclaims it."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        trainer.fit()
+    finally:
+        if main and before is not None:
+            signal.signal(signal.SIGINT, before)
 
 
 def _train_loop(config: dict) -> None:
@@ -227,80 +244,366 @@ def _tensors(demos: Any, pad: int) -> tuple[Any, Any, Any]:
     return ids, attention, taught
 
 
+_ROLES = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "human": "user",  # ShareGPT's names
+    "gpt": "assistant",
+}
+"""The roles a message may have, and what the chat template is given for each."""
+
+_SHAPES = (
+    'give {"messages": [{"role": ..., "content": ...}, ...]}, ShareGPT\'s {"conversations": '
+    '[{"from": ..., "value": ...}, ...]} or {"prompt": ..., "completion": ...} (both text, '
+    "or both lists of messages)"
+)
+
+
 def tokenize_demonstrations(path: str | os.PathLike[str], tokenizer: Any, *, max_tokens: int
                             ) -> list[dict[str, list[int]]]:  # fmt: skip
-    """A demonstrations file (jsonl) as rows of ``input_ids`` and ``loss_mask``. Each line
-    is ``{"messages": [{"role": ..., "content": ...}, ...]}`` (chat: the model's template,
-    the assistant's messages taught) or ``{"prompt": ..., "completion": ...}`` (plain
-    text: the completion and an end-of-sequence token taught). A line that is neither, a
-    demonstration longer than ``max_tokens`` or one with nothing to teach is refused with
-    its line number."""
+    """A demonstrations file as rows of ``input_ids`` and ``loss_mask``. The file is JSON
+    lines (``.jsonl``, gzipped or not), one JSON array of rows (a file that begins with
+    ``[``, gzipped or not) or ``.parquet``; each row is one of:
+
+    * a chat: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI, Hugging
+      Face; roles system, user, assistant, tool) or ShareGPT's ``{"conversations":
+      [{"from": ..., "value": ...}, ...]}`` (roles human, gpt, system). It is rendered by
+      the model's chat template, and every assistant message is taught, each from after
+      its header to its end-of-turn token; every other token is context. A multi-turn
+      chat teaches all its replies, as TRL's SFTTrainer with ``assistant_only_loss``;
+    * TRL's conversational prompt/completion, ``{"prompt": [messages], "completion":
+      [messages]}``: the prompt is context (its assistant messages too), the completion's
+      assistant messages are taught;
+    * TRL's standard prompt/completion, ``{"prompt": "...", "completion": "..."}``: the
+      completion's tokens and an end-of-sequence token taught.
+
+    A message's other keys (``name``, ``tool_calls``) go to the template as they are; an
+    assistant message that calls tools may have a null or empty content beside its
+    ``tool_calls``, when the template renders them. A row's other keys (an id, a prompt
+    in text beside a chat's messages, a null column of a parquet file) are not read.
+    Refused, with the file and line (``F: item N`` in a JSON array, ``F: row N`` in
+    parquet, from 0) and what to do: a row of none of these shapes or of two, a row with
+    nothing to teach (no assistant message; a null, empty or whitespace-only reply), a
+    content that is not a string, a role not above, a per-message ``weight`` or ``train``
+    that says otherwise than the rule above (it is not read), a chat the template cannot
+    render message by message, and demonstrations over ``max_tokens`` (counted; none is
+    cut: a cut one teaches a truncated turn). Nothing is skipped but blank lines."""
     from ray_credit.config import InputError
 
     rows = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{where}: not a JSON object ({err.msg})") from None
-            if isinstance(item, dict) and isinstance(item.get("messages"), list):
-                ids, mask = _chat(item["messages"], tokenizer, where)
-            elif isinstance(item, dict) and {"prompt", "completion"} <= item.keys():
-                prompt = tokenizer(str(item["prompt"]), add_special_tokens=False)["input_ids"]
-                answer = tokenizer(str(item["completion"]), add_special_tokens=False)["input_ids"]
-                answer = [*answer, tokenizer.eos_token_id]
-                ids, mask = [*prompt, *answer], [0] * len(prompt) + [1] * len(answer)
-            else:
-                raise InputError(
-                    f'{where}: give {{"messages": [{{"role": ..., "content": ...}}]}} or '
-                    f'{{"prompt": ..., "completion": ...}}, got keys {sorted(item)[:6]}'
-                    if isinstance(item, dict) else f"{where}: not a JSON object"
-                )  # fmt: skip
-            if len(ids) > max_tokens:
-                raise InputError(
-                    f"{where}: {len(ids)} tokens, over --max_tokens {max_tokens}; raise it or "
-                    "shorten the demonstration (none is cut: a cut one teaches a truncated turn)"
-                )
-            if not any(mask):
-                raise InputError(f"{where}: has no assistant message or completion to teach")
-            rows.append({"input_ids": ids, "loss_mask": mask})
+    over: list[tuple[str, int]] = []
+    for where, item in _rows(Path(path)):
+        ids, mask = _demonstration(item, tokenizer, where)
+        if len(ids) > max_tokens:
+            over.append((where, len(ids)))
+        rows.append({"input_ids": ids, "loss_mask": mask})
+    if over:
+        where, size = over[0]
+        longest = max(n for _, n in over)
+        others = (
+            f" (and {len(over) - 1} more of the {len(rows)} demonstrations, the longest "
+            f"{longest} tokens)"
+            if len(over) > 1
+            else ""
+        )
+        raise InputError(
+            f"{where}: {size} tokens, over --max_tokens {max_tokens}{others}; raise it to "
+            f"{longest} or shorten them (none is cut: a cut one teaches a truncated turn)"
+        )
     if not rows:
         raise InputError(f"{path}: holds no demonstration")
     return rows
 
 
-def _chat(messages: list, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
-    """The chat's ids, each assistant message's tokens taught: the template rendered up
-    to each message, each rendering a prefix of the next."""
+def _rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """``(where, row)`` for each row of a demonstrations file, read (and refused: a file
+    that is not UTF-8, a line that is not JSON) as the question loaders read theirs."""
+    from ray_credit.data.loaders import _json_lines, _parquet_rows
+
+    if path.suffix == ".parquet":
+        for number, row in _parquet_rows(path):
+            yield f"{path}: row {number}", row
+    elif _is_json_array(path):
+        yield from _json_array(path)
+    else:
+        for number, row in _json_lines(path):
+            yield f"{path}:{number}", row
+
+
+def _is_json_array(path: Path) -> bool:
+    """Whether the file's text begins with ``[`` (what ``json.dump(rows, file)`` writes)."""
+    from ray_credit.data.loaders import _open_bytes
+
+    try:
+        with _open_bytes(path) as stream:
+            head = stream.read(1 << 16)
+    except (OSError, EOFError):  # damaged gzip data: the JSON lines reader names it
+        return False
+    return head.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"["
+
+
+def _json_array(path: Path) -> Iterator[tuple[str, dict]]:
+    """The rows of a file that is one JSON array."""
+    from ray_credit.data.loaders import DataFormatError, _json_line, _open_bytes
+
+    try:
+        with _open_bytes(path) as stream:
+            raw = stream.read()
+    except (OSError, EOFError) as err:
+        raise DataFormatError(f"{path}: the gzip data is damaged or cut off ({err})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        # the loaders' message, for the line that holds the byte (its decoding fails too)
+        start = raw.rfind(b"\n", 0, err.start) + 1
+        end = raw.find(b"\n", err.start)
+        _json_line(path, raw.count(b"\n", 0, err.start) + 1, raw[start : None if end < 0 else end])
+        raise
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataFormatError(
+            f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno}); a file "
+            "that begins with '[' is read as one JSON array of rows"
+        ) from None
+    for number, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise DataFormatError(
+                f"{path}: item {number}: expected a JSON object, got {type(item).__name__}"
+            )
+        yield f"{path}: item {number}", item
+
+
+def _demonstration(item: dict, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
+    """One row's ids and taught-token mask (the shapes of :func:`tokenize_demonstrations`)."""
+    from ray_credit.config import InputError
+    from ray_credit.data.loaders import _kind
+
+    chats = [key for key in ("messages", "conversations") if item.get(key) is not None]
+    # beside a chat, a prompt in text is the chat's first question (ultrachat's rows), not
+    # a demonstration; a completion, or a prompt of messages, is a second one
+    beside = [key for key in ("prompt", "completion") if isinstance(item.get(key), (str, list))]
+    beside = [key for key in beside if key == "completion" or isinstance(item[key], list)]
+    if len(chats) + len(beside[:1]) > 1:
+        first, second = [*chats, *beside][:2]
+        raise InputError(
+            f"{where}: has both {first!r} and {second!r}, two demonstrations in one row; keep "
+            "one of them"
+        )
+    if not chats and not {"prompt", "completion"} & item.keys():
+        chats = [key for key in ("messages", "conversations") if key in item]  # null ones
+        if not chats:
+            raise InputError(f"{where}: {_SHAPES}; got keys {sorted(item)[:6]}")
+    if chats:
+        chat = item[chats[0]]
+        if not isinstance(chat, list):
+            raise InputError(f"{where}: {chats[0]!r} is a list of messages, got {_kind(chat)}")
+        if not chat:
+            raise InputError(f"{where}: {chats[0]!r} is an empty list: nothing to teach")
+        labels = [f"message {i}" for i in range(len(chat))]
+        return _chat(chat, labels, tokenizer, where, taught_from=0)
+    if "prompt" not in item:
+        raise InputError(
+            f'{where}: a completion without a prompt; give the prompt it answers ("prompt": '
+            '"" for none)'
+        )
+    if "completion" not in item:
+        raise InputError(
+            f"{where}: a prompt without a completion: nothing to teach; add the reply as "
+            '"completion"'
+        )
+    prompt, completion = item["prompt"], item["completion"]
+    if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational
+        if not completion:
+            raise InputError(f"{where}: the completion is an empty list: nothing to teach")
+        labels = [f"prompt message {i}" for i in range(len(prompt))]
+        labels += [f"completion message {i}" for i in range(len(completion))]
+        return _chat([*prompt, *completion], labels, tokenizer, where, taught_from=len(prompt))
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return _text(prompt, completion, tokenizer, where)
+    form = "as a list of messages" if isinstance(prompt, list) else "as text"
+    if completion is None:
+        raise InputError(
+            f"{where}: the completion is null, and nothing is taught without one; give the "
+            f"reply {form}, or drop the row"
+        )
+    if prompt is None:
+        form = "as a list of messages" if isinstance(completion, list) else 'as text ("" for none)'
+        raise InputError(f"{where}: the prompt is null; give it {form}, as the completion is")
+    raise InputError(
+        f"{where}: prompt and completion are both text (TRL's standard form) or both lists of "
+        f"messages (its conversational form), got the prompt {_kind(prompt)} and the "
+        f"completion {_kind(completion)}"
+    )
+
+
+def _text(prompt: str, completion: str, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
+    """TRL's standard prompt/completion: the completion and an end-of-sequence token taught."""
+    from ray_credit.config import InputError
+    from ray_credit.data.loaders import _check_unicode
+
+    _check_unicode(prompt, "the prompt", where)
+    _check_unicode(completion, "the completion", where)
+    if not completion.strip():
+        raise InputError(
+            f"{where}: the completion is {'empty' if not completion else 'only whitespace'}: "
+            "only the end-of-sequence token would be taught; give the reply, or drop the row"
+        )
+    if tokenizer.eos_token_id is None:
+        raise InputError(
+            f"{where}: the tokenizer has no end-of-sequence token to end the completion with; "
+            "give chats (messages), or a model whose tokenizer has one"
+        )
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer = [*tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    return [*prompt_ids, *answer], [0] * len(prompt_ids) + [1] * len(answer)
+
+
+def _message(message: Any, label: str, where: str) -> dict:
+    """A message as the chat template takes it: ``role`` (ShareGPT's ``from``, its names
+    mapped) and ``content`` (ShareGPT's ``value``), its other keys as they are."""
+    from ray_credit.config import InputError
+    from ray_credit.data.loaders import _check_unicode, _kind
+
+    if not isinstance(message, dict):
+        raise InputError(
+            f"{where}: {label} is {_kind(message)}, not an object with a role and a content"
+        )
+    sharegpt = "role" not in message and "content" not in message
+    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
+    if role_key not in message or content_key not in message:
+        raise InputError(
+            f'{where}: {label} needs a role and a content ({{"role": ..., "content": ...}}, or '
+            f'ShareGPT\'s {{"from": ..., "value": ...}}); got keys {sorted(message)[:6]}'
+        )
+    role, content = message[role_key], message[content_key]
+    if not isinstance(role, str) or role not in _ROLES:
+        raise InputError(
+            f"{where}: {label} has the role {role!r}; a role is system, user, assistant or tool "
+            "(ShareGPT's human and gpt)"
+        )
+    role = _ROLES[role]
+    calls = role == "assistant" and bool(message.get("tool_calls"))
+    if content is None and calls:
+        content = ""  # OpenAI's tool call: the calls are the reply (templates add strings)
+    if not isinstance(content, str):
+        got = "a null content" if content is None else f"the content {_kind(content)}"
+        raise InputError(f"{where}: {label} ({role}) has {got}; give its text as a string")
+    _check_unicode(content, f"{label}'s content", where)
+    if role == "assistant" and not content.strip() and not calls:
+        raise InputError(
+            f"{where}: {label} is an assistant reply that is "
+            f"{'empty' if not content else 'only whitespace'}: nothing to teach; give the "
+            "reply, or drop the message"
+        )
+    # a null key is an absent one (a parquet file's struct has every message's keys)
+    rest = {k: v for k, v in message.items() if k not in (role_key, content_key) and v is not None}
+    return {**rest, "role": role, "content": content}
+
+
+def _chat(chat: list, labels: list[str], tokenizer: Any, where: str, *, taught_from: int
+          ) -> tuple[list[int], list[int]]:  # fmt: skip
+    """The chat's ids with each assistant message from ``taught_from`` on taught, from
+    after its header (the template's generation prompt) to its end. The template is
+    rendered up to each message, each rendering a prefix of the next, so every token is
+    the one the whole chat renders."""
     from ray_credit.config import InputError
 
+    messages = [_message(m, label, where) for m, label in zip(chat, labels, strict=True)]
+    taught = [m["role"] == "assistant" and i >= taught_from for i, m in enumerate(messages)]
+    if not any(taught):
+        roles = ", ".join(dict.fromkeys(m["role"] for m in messages[taught_from:]))
+        raise InputError(
+            f"{where}: no assistant message to teach ({'its completion' if taught_from else 'it'}"
+            f" has {roles}); add the reply the model should give (role assistant, ShareGPT's gpt)"
+        )
+    if taught[0]:
+        raise InputError(
+            f"{where}: {labels[0]} is the assistant's, with nothing before it that it answers; "
+            "put the user's message (or a system one) first"
+        )
+    for message, label, teach in zip(messages, labels, taught, strict=True):
+        for flag in ("weight", "train"):  # another trainer's per-message switch: not read
+            value = message.get(flag)
+            if value is None or bool(value) == teach:
+                continue
+            role = message["role"]
+            fix = (
+                'put it in the prompt of {"prompt": [messages], "completion": [messages]} '
+                f"(only the completion's replies are taught), or remove {flag!r}"
+                if teach
+                else f"remove {flag!r}"
+            )
+            raise InputError(
+                f"{where}: {label} ({role}) has {flag}={value!r}, and a per-message {flag} is "
+                f"not read: every assistant reply{' of the completion' if taught_from else ''} "
+                f"is taught and nothing else, so this one {'is' if teach else 'is not'}; {fix}"
+            )
+    template = [{k: v for k, v in m.items() if k not in ("weight", "train")} for m in messages]
+    eos = tokenizer.eos_token_id
     ids: list[int] = []
     mask: list[int] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or {"role", "content"} - message.keys():
-            raise InputError(f"{where}: message {i} needs a role and a content")
-        rendered = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        upto = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    for i, (label, teach) in enumerate(zip(labels, taught, strict=True)):
+        upto = _rendered(tokenizer, template[: i + 1], where)
+        role = messages[i]["role"]
         if upto[: len(ids)] != ids:
             raise InputError(
-                f"{where}: the chat template renders message {i} so that the tokens before it "
+                f"{where}: the chat template renders {label} so that the tokens before it "
                 "change; this template cannot be taught message by message"
             )
-        taught = 1 if message["role"] == "assistant" else 0
-        if taught:  # the assistant header is not taught, only what the model says
-            header = tokenizer.apply_chat_template(messages[:i], tokenize=False,
-                                                   add_generation_prompt=True) if i else ""  # fmt: skip
-            start = len(tokenizer(header, add_special_tokens=False)["input_ids"]) if i else 0
-            start = max(start, len(ids))
-        else:
-            start = len(upto)
-        mask += [0] * (start - len(ids)) + [taught] * (len(upto) - start)
+        if len(upto) == len(ids):
+            raise InputError(
+                f"{where}: the chat template renders {label} ({role}) as nothing (it leaves "
+                f"{role} messages out); drop them, or use a model whose template renders them"
+            )
+        start = len(upto)
+        if teach:  # the assistant's header is not taught, only what the model says
+            header = _rendered(tokenizer, template[:i], where, generation_prompt=True)
+            if not (len(ids) <= len(header) < len(upto) and upto[: len(header)] == header):
+                raise InputError(
+                    f"{where}: the chat template begins {label} otherwise than with its "
+                    "generation prompt; this template cannot be taught message by message"
+                )
+            start = len(header)
+        end = _turn_end(upto, start, eos) if teach else len(upto)
+        if teach and all(t == eos for t in upto[start:end]):
+            left_out = " (it leaves out tool_calls)" if messages[i].get("tool_calls") else ""
+            raise InputError(
+                f"{where}: the chat template renders {label} (assistant) as nothing but its "
+                f"end of turn{left_out}: nothing to teach there; give the reply as text, or use "
+                "a model whose template renders it"
+            )
+        mask += [0] * (start - len(ids)) + [1] * (end - start) + [0] * (len(upto) - end)
         ids = upto
     return ids, mask
+
+
+def _turn_end(ids: list[int], start: int, eos: int | None) -> int:
+    """Where an assistant message's taught tokens end: after its end-of-turn token (the
+    tokenizer's end of sequence, where generation stops) when it has one; what the
+    template writes after it (ChatML's newline) is never generated, so it is context, as
+    in TRL's training templates."""
+    after = [i for i in range(start, len(ids)) if ids[i] == eos]
+    return after[-1] + 1 if after else len(ids)
+
+
+def _rendered(tokenizer: Any, messages: list[dict], where: str, *,
+              generation_prompt: bool = False) -> list[int]:  # fmt: skip
+    from ray_credit.config import InputError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except Exception as err:  # jinja's errors (a template's raise_exception), no template
+        raise InputError(
+            f"{where}: the model's chat template cannot render this chat "
+            f"({type(err).__name__}: {err}); give the chat as the template takes it (its "
+            "roles and their order), or a model whose template renders it"
+        ) from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class _Null:
