@@ -11,7 +11,10 @@ The corpus (.jsonl, .jsonl.gz or .parquet) is converted into the folder as Arrow
 passages are embedded in shards on disk by a Ray Data pool of --build.workers encoder
 actors (0: this process), resumably; IVF and PQ train on --index.train_sample vectors;
 the index is written with a manifest. --import takes a faiss index built elsewhere on the
-corpus's line order instead, checked against a re-encoded sample. Then: pipelines take
+corpus's line order instead, checked against a re-encoded sample. What --out holds already
+is taken only when these settings made it (a whole index: nothing to do; a killed build:
+resumed); anything else there is refused, or deleted and built anew with --overwrite. Then:
+pipelines take
 --retriever.index_folder FOLDER, and `python -m ray_credit.serve --index_folder FOLDER`.
 With --build.workers >= 1 it connects to the Ray cluster of RAY_ADDRESS, else to one
 `ray start` runs on this machine, else starts one.
@@ -44,6 +47,10 @@ class IndexCommand:
     "contents"} per document, contents = title line + text). Required."""
     out: str = ""
     """The index folder to write (new, empty, or a build of the same settings to resume)."""
+    overwrite: bool = False
+    """Delete what a build wrote in --out (an index, a partial build, its corpus and
+    embeddings, of any settings) and build anew; a folder that also holds other files is
+    refused, nothing deleted."""
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     """The passage (and later query) encoder."""
     index: IndexConfig = field(default_factory=IndexConfig)
@@ -58,19 +65,29 @@ class IndexCommand:
         check_fields(self)
 
 
-def check_inputs(cmd: IndexCommand) -> None:
-    """Everything that can be refused before Ray starts or a passage is embedded."""
+def check_inputs(cmd: IndexCommand) -> bool:
+    """Everything that can be refused before Ray starts or a passage is embedded. True:
+    --out holds a whole index of these settings already (nothing to do)."""
     from ray_credit.actors.corpus import count_docs
     from ray_credit.actors.dense_index import check_index_folder
+    from ray_credit.actors.index_build import check_made_by, check_writable
 
     if not cmd.corpus or not cmd.out:
         raise InputError("--corpus and --out are required: the corpus file and the index folder")
     if cmd.index_file is not None and not Path(cmd.index_file).is_file():
         raise InputError(f"--import {cmd.index_file}: no such file")
     check_index_folder(cmd.out)
+    if not cmd.overwrite and read_manifest(cmd.out) is not None:
+        index_file = cmd.index_file and str(Path(cmd.index_file).absolute())
+        check_made_by(cmd.out, cmd.corpus, cmd.encoder, cmd.index, index_file)
+        return True
+    check_writable(cmd.out)
     num_docs = count_docs(cmd.corpus)
+    if num_docs == 0:
+        raise InputError(f"--corpus {cmd.corpus} holds no document; an index needs at least one")
     if cmd.index_file is None:
         check_index_config(cmd.index, num_docs, encoder_dim(cmd.encoder))
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -82,11 +99,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             for a in argv]  # fmt: skip
     cmd = parse_config(IndexCommand, argv, description=__doc__)
     try:
-        check_inputs(cmd)
+        whole = check_inputs(cmd)
     except InputError as err:  # the user's to fix: one line, as argparse's errors
         raise SystemExit(f"{_PROG}: error: {err}") from None
-    if read_manifest(cmd.out) is not None:
-        print(f"{cmd.out} already holds a whole index; nothing to do", flush=True)
+    if whole:
+        print(f"{cmd.out} already holds a whole index of these settings; nothing to do",
+              flush=True)  # fmt: skip
         return
     if cmd.build.workers:
         import ray
@@ -99,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     try:
         folder = ensure_index(cmd.corpus, cmd.out, encoder=cmd.encoder, index=cmd.index,
-                              index_file=cmd.index_file, **cmd.build.kwargs())  # fmt: skip
+                              index_file=cmd.index_file, overwrite=cmd.overwrite,
+                              **cmd.build.kwargs())  # fmt: skip
     except InputError as err:
         raise SystemExit(f"{_PROG}: error: {err}") from None
     manifest = read_manifest(folder)

@@ -94,33 +94,61 @@ class ServeConfig:
 
 
 def check_inputs(cfg: ServeConfig) -> None:
-    """Refuse a missing or unreadable corpus, an unusable index folder and index settings
-    that cannot work for the corpus (InputError), reading only the corpus's first
-    document: before Ray starts, in one line."""
+    """Refuse a missing or unreadable corpus, an unusable index folder, a whole one that
+    these settings would not serve (another corpus, encoder or index settings: the
+    replicas would refuse it) and index settings that cannot work for the corpus
+    (InputError), reading only the corpus's first document: before Ray starts, in one
+    line."""
     from ray_credit.actors.corpus import count_docs
-    from ray_credit.actors.dense_index import check_index_config, read_manifest
+    from ray_credit.actors.dense_index import check_index_config, check_whole_folder, read_manifest
     from ray_credit.actors.encoder import encoder_dim
+    from ray_credit.actors.index_build import (
+        check_writable,
+        made_by_differences,
+        spell_differences,
+    )
     from ray_credit.data.loaders import iter_corpus
 
-    whole = cfg.index_folder is not None and read_manifest(cfg.index_folder) is not None
-    if not cfg.corpus:
-        if whole:
-            return  # the folder holds its corpus
+    folder = cfg.index_folder
+    if cfg.index_file is not None and not os.path.isfile(cfg.index_file):
+        raise InputError(f"--index_file {cfg.index_file}: no such file")
+    if folder is not None:
+        check_index_folder(folder)
+    whole = folder is not None and read_manifest(folder) is not None
+    if cfg.corpus:
+        try:
+            first = next(iter_corpus(cfg.corpus, batch_size=1, check_duplicates=False), None)
+        except InputError as err:
+            raise type(err)(f"--corpus: {err}") from None
+        if first is None:
+            raise InputError(f"--corpus {cfg.corpus}: the file holds no document")
+    elif folder is not None and not os.path.exists(folder):
+        raise InputError(
+            f"--index_folder {folder}: no such folder; give a folder that holds a whole index "
+            "(`python -m ray_credit.index build --out FOLDER ...` makes one), or --corpus "
+            "to build one there"
+        )
+    elif not whole:
         raise InputError(
             "--corpus is required (the FlashRAG .jsonl corpus to search), unless "
             "--index_folder holds a whole index"
+            + (f"; {folder} holds none (no manifest.json)" if folder is not None else "")
         )
-    if cfg.index_file is not None and not os.path.isfile(cfg.index_file):
-        raise InputError(f"--index_file {cfg.index_file}: no such file")
-    try:
-        first = next(iter_corpus(cfg.corpus, batch_size=1, check_duplicates=False), None)
-    except InputError as err:
-        raise type(err)(f"--corpus: {err}") from None
-    if first is None:
-        raise InputError(f"--corpus {cfg.corpus}: the file holds no document")
-    if cfg.index_folder is not None:
-        check_index_folder(cfg.index_folder)
-    if not whole and cfg.index_file is None:
+    if whole:  # checked as the replicas will open it
+        manifest = check_whole_folder(folder)
+        index_file = cfg.index_file and os.path.abspath(cfg.index_file)
+        differ = made_by_differences(folder, manifest, cfg.corpus or None, cfg.encoder,
+                                     cfg.index, index_file)  # fmt: skip
+        if differ:
+            raise InputError(
+                f"--index_folder {folder} holds an index of other settings "
+                f"({spell_differences(differ)}); serve it with the settings it was built "
+                "with, or give another --index_folder"
+            )
+        return
+    if folder is not None:
+        check_writable(folder)  # the index is built there first
+    if cfg.index_file is None:
         try:
             check_index_config(cfg.index, count_docs(cfg.corpus), encoder_dim(cfg.encoder))
         except InputError as err:
@@ -144,25 +172,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"Ray: {ray.get_runtime_context().gcs_address}", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it as Ctrl-C does
     try:
-        url = serve_retriever(
-            os.path.abspath(cfg.corpus) if cfg.corpus else None,
-            encoder=cfg.encoder,
-            index=cfg.index,
-            index_folder=cfg.index_folder and os.path.abspath(cfg.index_folder),
-            index_file=cfg.index_file and os.path.abspath(cfg.index_file),
-            build=cfg.build,
-            name=cfg.name,
-            route_prefix=cfg.route_prefix,
-            host=cfg.host,
-            port=cfg.port,
-            num_replicas=cfg.num_replicas,
-            num_cpus=cfg.num_cpus,
-            num_gpus=cfg.num_gpus,
-            max_ongoing_requests=cfg.max_ongoing_requests,
-            max_batch_queries=cfg.max_batch_queries,
-            batch_wait_ms=cfg.batch_wait_ms,
-            limits=cfg.limits,
-        )
+        try:
+            url = serve_retriever(
+                os.path.abspath(cfg.corpus) if cfg.corpus else None,
+                encoder=cfg.encoder,
+                index=cfg.index,
+                index_folder=cfg.index_folder and os.path.abspath(cfg.index_folder),
+                index_file=cfg.index_file and os.path.abspath(cfg.index_file),
+                build=cfg.build,
+                name=cfg.name,
+                route_prefix=cfg.route_prefix,
+                host=cfg.host,
+                port=cfg.port,
+                num_replicas=cfg.num_replicas,
+                num_cpus=cfg.num_cpus,
+                num_gpus=cfg.num_gpus,
+                max_ongoing_requests=cfg.max_ongoing_requests,
+                max_batch_queries=cfg.max_batch_queries,
+                batch_wait_ms=cfg.batch_wait_ms,
+                limits=cfg.limits,
+            )
+        except InputError as err:  # found while building the index: one line too
+            raise SystemExit(f"{_PROG}: error: {err}") from None
         info = serve.get_app_handle(cfg.name).info.remote().result()
         where = f"on GPUs {info['index_gpus']}" if info["index_on_gpu"] else (
             "memory-mapped" if info["index_mmapped"] else "in memory")  # fmt: skip

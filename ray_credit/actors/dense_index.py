@@ -18,7 +18,6 @@ Building one (across workers, resumable) is :mod:`ray_credit.actors.index_build`
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ __all__ = [
     "IndexConfig",
     "check_index_config",
     "check_index_folder",
+    "check_whole_folder",
     "faiss_module",
     "index_manifest",
     "read_manifest",
@@ -46,6 +46,11 @@ INDEX_FILE = "index.faiss"
 FORMAT_VERSION = 3
 """3: the folder holds its corpus (``corpus.arrow``); the corpus fingerprint ends with the
 document count. Folders of versions 1 and 2 (no corpus inside) are rebuilt."""
+_MANIFEST_FIELDS = ("corpus_fingerprint", "num_docs", "dim", "encoder", "index")
+BUILD_FILES = frozenset({MANIFEST, INDEX_FILE, "corpus.arrow", "corpus.json", "build.json",
+                         "embeddings", ".build.lock"})  # fmt: skip
+"""What a build writes into an index folder (besides its temporary files): all an
+``--overwrite`` deletes, and all a folder being built may hold."""
 
 IndexKind = Literal["flat", "hnsw", "ivfflat", "ivfpq"]
 
@@ -218,23 +223,97 @@ def index_manifest(corpus: Any, encoder: dict[str, Any], config: IndexConfig) ->
 
 
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """A folder's ``manifest.json``, None when it has none (not built, or not whole)."""
+    """A folder's ``manifest.json``, None when it has none (not built, or not whole); one
+    that is not readable JSON, or of this format without its fields, is an InputError
+    naming it (:func:`~ray_credit.actors.corpus.read_json`)."""
+    from ray_credit.actors.corpus import read_json, rebuild_hint
+
     path = Path(folder) / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    manifest = read_json(path, rebuild_hint(folder), ("format_version",))
+    if manifest["format_version"] == FORMAT_VERSION:
+        read_json(path, rebuild_hint(folder), _MANIFEST_FIELDS)  # a record of a few kB
+    return manifest
+
+
+def _check_version(folder: Path, manifest: dict[str, Any]) -> None:
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InputError(
+            f"index in {folder} has format_version {version!r}; this version reads "
+            f"{FORMAT_VERSION} (the folder also holds its corpus): delete the folder to "
+            "have it built again, or build it anew with `python -m ray_credit.index build "
+            "... --overwrite`"
+        )
+
+
+def _index_path(folder: Path, manifest: dict[str, Any]) -> Path:
+    """The index file of a whole folder's manifest, which must be there."""
+    from ray_credit.actors.corpus import rebuild_hint
+
+    imported = manifest.get("index_path")
+    path = Path(imported or folder / INDEX_FILE)
+    if path.is_file():
+        return path
+    if imported:
+        raise InputError(
+            f"the index of {folder} was imported from {path}, which is gone (the folder "
+            f"names it, never copies it); put it back, or {rebuild_hint(folder)}"
+        )
+    raise InputError(f"{folder} holds {MANIFEST} but not {INDEX_FILE}; {rebuild_hint(folder)}")
+
+
+def _whole_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a whole index folder, of a format this version reads."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise FileNotFoundError(
+            f"{folder} holds no whole index ({MANIFEST} is written last); build one with "
+            f"`python -m ray_credit.index build --out {folder} ...`"
+        )
+    _check_version(folder, manifest)
+    return manifest
+
+
+def check_whole_folder(folder: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the whole index folder ``folder``, after the checks that need
+    neither faiss nor the encoder (milliseconds, whatever the corpus's size): its format,
+    its index file there, and its corpus the one the manifest was built on
+    (:meth:`~ray_credit.actors.corpus.Corpus.open`: the row count and sampled rows of
+    ``corpus.arrow`` against ``corpus.json``, whose fingerprint must be the manifest's).
+    What an index folder is opened with before any process is started on it."""
+    from ray_credit.actors.corpus import CORPUS_FILE, CORPUS_INFO, Corpus, rebuild_hint
+
+    folder = Path(folder)
+    manifest = _whole_manifest(folder)
+    _index_path(folder, manifest)
+    try:
+        docs = Corpus.open(folder)
+    except FileNotFoundError:
+        raise InputError(
+            f"{folder} holds {MANIFEST} but not its corpus ({CORPUS_FILE} and "
+            f"{CORPUS_INFO}); {rebuild_hint(folder)}"
+        ) from None
+    if docs.fingerprint != manifest["corpus_fingerprint"] or len(docs) != manifest["num_docs"]:
+        raise InputError(
+            f"{folder / CORPUS_INFO} records another corpus ({len(docs)} docs, fingerprint "
+            f"{docs.fingerprint}) than the index in {folder} was built on "
+            f"({manifest['num_docs']} docs, {manifest['corpus_fingerprint']}); "
+            f"{rebuild_hint(folder)}"
+        )
+    return manifest
 
 
 def check_index_folder(folder: str | os.PathLike) -> None:
     """Refuse, before any work, an index folder that is a file or holds other things than
     an index or an index being built (building there would fail, or clobber them)."""
-    from ray_credit.actors.corpus import CORPUS_FILE, CORPUS_INFO
-
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"index folder {folder} is a file; give a folder (new or empty)")
     if not folder.is_dir() or (folder / MANIFEST).is_file():
         return
-    ours = {MANIFEST, INDEX_FILE, CORPUS_FILE, CORPUS_INFO, "build.json", "embeddings"}
-    foreign = sorted(p.name for p in folder.iterdir() if p.name not in ours
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in BUILD_FILES
                      and not p.name.startswith("."))  # fmt: skip
     if foreign:
         raise InputError(
@@ -335,19 +414,7 @@ class DenseIndex:
         None: the manifest's with the defaults for serving)."""
         faiss = faiss_module()
         folder = Path(folder)
-        manifest = read_manifest(folder)
-        if manifest is None:
-            raise FileNotFoundError(
-                f"{folder} holds no whole index ({MANIFEST} is written last); build one with "
-                f"`python -m ray_credit.index build --out {folder} ...`"
-            )
-        version = manifest.get("format_version")
-        if version != FORMAT_VERSION:
-            raise InputError(
-                f"index in {folder} has format_version {version!r}; this version reads "
-                f"{FORMAT_VERSION} (the folder also holds its corpus): delete the folder to "
-                "have it built again, or build it with `python -m ray_credit.index build`"
-            )
+        manifest = _whole_manifest(folder)
         saved = IndexConfig(**manifest["index"])
         if config is None:
             config = saved
@@ -357,7 +424,7 @@ class DenseIndex:
                 "for; delete the folder to rebuild, point at another, or ask for the saved "
                 "settings"
             )
-        path = Path(manifest.get("index_path") or folder / INDEX_FILE)
+        path = _index_path(folder, manifest)
         serving = replace_serving(saved, use_gpu=config.use_gpu, gpu_devices=config.gpu_devices,
                                   gpu_float16=config.gpu_float16, mmap=config.mmap)  # fmt: skip
         on_gpu = wants_gpu(serving)

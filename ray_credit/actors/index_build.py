@@ -13,8 +13,16 @@ retriever and ``ray_credit.serve`` all call it):
    process embeds them. A build that is killed resumes from its finished shards;
 3. IVF and PQ train on ``index.train_sample`` vectors drawn from the shards, then every
    shard is added in turn: the embeddings are never all in memory;
-4. ``index.faiss`` is written, then ``manifest.json`` (last: the folder is whole); the
-   shards are deleted unless ``keep_embeddings``.
+4. ``index.faiss`` is written, then ``manifest.json`` (last: the folder is whole; it
+   records what made the index: corpus, encoder, index settings); the shards are deleted
+   unless ``keep_embeddings``.
+
+Nothing found in the folder is taken unless these same settings made it: a whole index is
+compared with the settings asked for, a leftover corpus with the corpus given, leftover
+shards with the record beside them (``embeddings/shards.json``: the corpus, the encoder,
+the shard size); what differs is refused, naming the folder and the difference, or
+deleted and built anew with ``overwrite`` (only what a build writes: a folder holding
+anything else is refused).
 
 ``index_file`` instead imports a faiss index built elsewhere on the corpus's line order (as
 Search-R1 ships ``e5_Flat.index``): its count and dimension are checked, and a sample of
@@ -27,23 +35,33 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from ray_credit.actors.corpus import Corpus, CorpusSource, read_info, source_stamp
+from ray_credit.actors.corpus import (
+    Corpus,
+    CorpusSource,
+    read_info,
+    read_json,
+    rebuild_hint,
+    source_stamp,
+)
 from ray_credit.actors.dense_index import (
+    BUILD_FILES,
     FORMAT_VERSION,
     INDEX_FILE,
     MANIFEST,
     IndexConfig,
     check_index_config,
     check_index_folder,
+    check_whole_folder,
     faiss_module,
     index_manifest,
     new_index,
@@ -51,18 +69,32 @@ from ray_credit.actors.dense_index import (
     set_search_params,
     wants_gpu,
 )
-from ray_credit.actors.encoder import Encoder, EncoderConfig
+from ray_credit.actors.encoder import Encoder, EncoderConfig, canonical_encoder_name
 from ray_credit.config import InputError, check_fields
 from ray_credit.log import log
 from ray_credit.progress import progress_bar
 
-__all__ = ["SHARD_DOCS", "BuildConfig", "ensure_index", "import_check", "index_identity"]
+__all__ = [
+    "SHARD_DOCS",
+    "BuildConfig",
+    "check_made_by",
+    "check_writable",
+    "ensure_index",
+    "import_check",
+    "index_identity",
+    "same_corpus",
+]
 
 SHARD_DOCS = 50_000
 _BUILD = "build.json"
 _SHARDS = "embeddings"
 _ENCODER_INFO = "encoder.json"
+_SHARDS_INFO = "shards.json"
 _SLICE = 4096  # passages per encoder call inside a shard
+# what a build writes in embeddings/, and the temporary names of its files (``_tmp``, and
+# the conversion's mkdtemp folder): all an overwrite deletes
+_SHARD_NAME = re.compile(r"shard_\d{5,}\.npy|encoder\.json|shards\.json")
+_TMP_NAME = re.compile(r"\.[\w.-]+\.tmp(\.\w+)*")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,24 +184,35 @@ def ensure_index(
     shard_docs: int = SHARD_DOCS,
     keep_embeddings: bool = False,
     check_sample: int = 64,
+    overwrite: bool = False,
 ) -> Path:
     """Make ``folder`` a whole index folder of ``corpus`` (see the module's steps); a whole
-    one is left as it is, a partial build of the same settings is resumed, a partial build
-    of other settings is refused. Returns the folder."""
+    one of these settings is left as it is, a partial build of the same settings is
+    resumed; a whole index, a partial build, a corpus or shards of other settings are
+    refused (InputError naming the folder and what differs), or, with ``overwrite``,
+    deleted and built anew. Returns the folder."""
     encoder = EncoderConfig(name=encoder) if isinstance(encoder, str) else encoder
     index = IndexConfig(kind=index) if isinstance(index, str) else index
     folder = Path(folder).absolute()
-    if read_manifest(folder) is not None:
-        return folder
     if shard_docs < 1 or workers < 0:
         raise ValueError(f"shard_docs must be >= 1 and workers >= 0, got {shard_docs}, {workers}")
     check_index_folder(folder)
     index_file = str(Path(index_file).absolute()) if index_file else None
+    if not overwrite and read_manifest(folder) is not None:
+        check_made_by(folder, corpus, encoder, index, index_file)
+        return folder
     identity = index_identity(corpus, encoder, index, index_file)
     identity["shard_docs"] = shard_docs
-    folder.mkdir(parents=True, exist_ok=True)
+    check_writable(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        _unwritable(folder, err.strerror or str(err))
     with _locked(folder):  # a second builder waits, then finds the folder whole
-        if read_manifest(folder) is not None:
+        if overwrite:
+            _clear(folder)
+        elif read_manifest(folder) is not None:
+            check_made_by(folder, corpus, encoder, index, index_file)
             return folder
         _claim(folder, identity)
         return _build(
@@ -185,6 +228,150 @@ def ensure_index(
             shard_docs,
             keep_embeddings,
             check_sample,
+            identity,
+        )
+
+
+def check_writable(folder: str | os.PathLike) -> None:
+    """Refuse, before any work and without writing anything, an index folder that cannot
+    be made or written (a read-only place, a path through a file): InputError naming it."""
+    folder = Path(folder).absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise InputError(
+            f"index folder {folder} cannot be made: {existing} is a file; give a folder path"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):  # a read-only mount too, even for root
+        _unwritable(folder, f"{existing} is read-only here")
+
+
+def _unwritable(folder: Path, why: str) -> NoReturn:
+    raise InputError(
+        f"index folder {folder} cannot be written ({why}); give a folder you can write "
+        "(build it there, then copy it where it is to be read)"
+    )
+
+
+def _clear(folder: Path) -> None:
+    """Delete what a build wrote into ``folder`` (``overwrite``), after checking that it
+    holds nothing else: another file or folder there is the user's, so nothing is
+    deleted and the overwrite is refused, naming it. Other hidden files are left."""
+    shards = folder / _SHARDS
+    foreign = [p.name for p in folder.iterdir()
+               if p.name not in BUILD_FILES and not p.name.startswith(".")]  # fmt: skip
+    if shards.is_dir() and not shards.is_symlink():
+        foreign += [f"{_SHARDS}/{p.name}" for p in shards.iterdir()
+                    if not (_SHARD_NAME.fullmatch(p.name) or _TMP_NAME.fullmatch(p.name))]  # fmt: skip
+    if foreign:
+        raise InputError(
+            f"index folder {folder} holds files no build writes ({sorted(foreign)[:3]}); "
+            "--overwrite deletes only what a build wrote: move them out, or give another folder"
+        )
+    for path in folder.iterdir():
+        if path.name == ".build.lock" or not (
+            path.name in BUILD_FILES or _TMP_NAME.fullmatch(path.name)
+        ):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    log.info(f"index: --overwrite: deleted what the build had made in {folder}")
+
+
+def same_corpus(given: CorpusSource, docs: Corpus) -> str | None:
+    """None when ``given`` is the corpus ``docs`` (an index folder's) was converted from,
+    else ``given``'s fingerprint: a file that is the one converted (same path, size, mtime)
+    passes at the cost of a stat; another file is converted (once, into the cache) and its
+    fingerprint compared."""
+    if isinstance(given, (str, os.PathLike)):
+        path = Path(given)
+        if path.is_file() and not _is_converted(path) and docs.source == source_stamp(path):
+            return None
+        fingerprint = Corpus.from_file(path).fingerprint
+    else:
+        fingerprint = Corpus.coerce(given).fingerprint
+    return None if fingerprint == docs.fingerprint else fingerprint
+
+
+def made_by_differences(
+    folder: str | os.PathLike,
+    manifest: dict[str, Any],
+    corpus: CorpusSource | None,
+    encoder: EncoderConfig,
+    index: IndexConfig | None,
+    index_file: str | None,
+) -> dict[str, tuple[Any, Any]]:
+    """What differs between the whole index of ``folder`` (its ``manifest``) and the
+    settings given: ``{setting: (there, here)}``. The encoder by its settings (as
+    :meth:`~ray_credit.actors.encoder.EncoderConfig.identity` spells them; a manifest
+    written before it recorded them: the name, the length and the settings given
+    explicitly); the index settings, unless the index was imported (``index`` None: not
+    compared); the imported file; the corpus last, by content (it may be converted to
+    tell), and only when nothing else differs."""
+    differ: dict[str, tuple[Any, Any]] = {}
+    made_by = manifest.get("made_by") or {}
+    if "encoder" in made_by:
+        there, here = made_by["encoder"], encoder.identity()
+    else:
+        recorded = manifest["encoder"]
+        there = {"name": canonical_encoder_name(str(recorded.get("name"))),
+                 "max_length": recorded.get("max_length")}  # fmt: skip
+        here = {"name": canonical_encoder_name(encoder.name), "max_length": encoder.max_length}
+        for key in ("pooling", "query_prefix", "passage_prefix"):
+            if getattr(encoder, key) not in (None, "auto"):
+                there[key], here[key] = recorded.get(key), getattr(encoder, key)
+    for key in sorted(set(there) | set(here)):
+        if there.get(key) != here.get(key):
+            differ[f"encoder.{key}"] = (there.get(key), here.get(key))
+    imported = manifest.get("index_path")
+    if index_file is not None and imported != index_file:
+        differ["index_file"] = (imported, index_file)
+    elif index_file is not None and made_by.get("index_file") not in (None, source_stamp(
+            index_file)):  # fmt: skip
+        differ["index_file"] = ("as it was imported", "changed since (its size or mtime)")
+    elif imported is None and index is not None:
+        saved = manifest["index"]
+        for key, value in index.manifest().items():
+            if saved.get(key) != value:
+                differ[f"index.{key}"] = (saved.get(key), value)
+    if not differ and corpus is not None:
+        docs = Corpus.open(folder)
+        fingerprint = same_corpus(corpus, docs)
+        if fingerprint is not None:
+            differ["corpus"] = (f"{len(docs)} docs, fingerprint {docs.fingerprint}",
+                                f"fingerprint {fingerprint}")  # fmt: skip
+    return differ
+
+
+def spell_differences(differ: dict[str, tuple[Any, Any]]) -> str:
+    """``{setting: (there, here)}`` in words: ``encoder.name 'e5-base-v2' there, 'minilm'
+    here; ...``."""
+    return "; ".join(f"{key} {there!r} there, {here!r} here" if key != "corpus" else
+                     f"corpus of {there} there, {here} here"
+                     for key, (there, here) in differ.items())  # fmt: skip
+
+
+def check_made_by(
+    folder: str | os.PathLike,
+    corpus: CorpusSource,
+    encoder: EncoderConfig,
+    index: IndexConfig,
+    index_file: str | None,
+) -> None:
+    """Refuse a whole index folder that these settings did not make (InputError naming
+    the folder, what differs and what to do), after :func:`check_whole_folder`'s checks."""
+    folder = Path(folder)
+    manifest = check_whole_folder(folder)
+    if index_file is None and manifest.get("index_path"):
+        differ = {"index_file": (manifest["index_path"], None)}  # a build asked, an import there
+    else:
+        differ = made_by_differences(folder, manifest, corpus, encoder, index, index_file)
+    if differ:
+        raise InputError(
+            f"index folder {folder} already holds a whole index of other settings "
+            f"({spell_differences(differ)}); build it anew there with "
+            "`python -m ray_credit.index build ... --overwrite`, or give another folder"
         )
 
 
@@ -193,7 +380,11 @@ def _locked(folder: Path) -> Iterator[None]:
     """Hold ``folder/.build.lock`` (flock: processes and threads of a node queue on it)."""
     import fcntl
 
-    with open(folder / ".build.lock", "a") as lock:
+    try:
+        lock = open(folder / ".build.lock", "a")  # noqa: SIM115 - closed by the with below
+    except OSError as err:
+        _unwritable(folder, err.strerror or str(err))
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -202,20 +393,22 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def _build(corpus, folder, encoder, index, index_file, workers, worker_cpus, worker_gpus,
-           resources, shard_docs, keep_embeddings, check_sample) -> Path:  # fmt: skip
+           resources, shard_docs, keep_embeddings, check_sample, identity) -> Path:  # fmt: skip
     start = time.perf_counter()
     docs = _corpus_into(corpus, folder)
     check_index_config(index, len(docs), None)
     if index_file is not None:
+        (folder / INDEX_FILE).unlink(missing_ok=True)  # a build's leftover: the manifest names
         manifest = _import(Path(index_file), docs, encoder, index, folder, check_sample)
     else:
         enc = _embed(folder, docs, encoder, shard_docs, workers, worker_cpus, worker_gpus,
-                     resources)  # fmt: skip
+                     resources, identity)  # fmt: skip
         check_index_config(index, len(docs), enc["dim"])
         _index_shards(folder, len(docs), enc["dim"], index, shard_docs)
         manifest = index_manifest(docs, enc, index)
         manifest["built"] = {"shard_docs": shard_docs, "workers": workers,
                              "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+    manifest["made_by"] = identity  # what a later build or server compares its settings with
     _write_json(folder / MANIFEST, manifest)  # last: the folder is whole
     if not keep_embeddings:
         shutil.rmtree(folder / _SHARDS, ignore_errors=True)
@@ -242,15 +435,18 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _claim(folder: Path, identity: dict[str, Any]) -> None:
-    """Record what this build makes; a partial build of other settings is refused."""
+    """Record what this build makes; a partial build of other settings is refused. What
+    the folder holds besides is checked on its own (its corpus, its shards): a refused
+    build leaves its claim here, so the claim vouches for nothing else."""
     path = folder / _BUILD
     if path.is_file():
-        there = json.loads(path.read_text())
+        there = read_json(path, rebuild_hint(folder))
         if there != identity:
             differ = sorted(k for k in identity if there.get(k) != identity[k])
             raise InputError(
                 f"{folder} holds a partial build of other settings (they differ in "
-                f"{differ}); delete the folder, or build with its settings to resume it"
+                f"{differ}); build with its settings to resume it, or build it anew there "
+                "with `python -m ray_credit.index build ... --overwrite`"
             )
         log.info(f"index: resuming the build in {folder}")
     else:
@@ -261,7 +457,10 @@ def _corpus_into(corpus: CorpusSource, folder: Path) -> Corpus:
     """The corpus, converted into ``folder`` (once), mapped from there."""
     from ray_credit.actors.corpus import CORPUS_FILE, CORPUS_INFO, cache_folder, convert_corpus
 
-    if read_info(folder) is None:
+    found = read_info(folder)
+    if found is not None:  # a build's leftover: this corpus's, or refused
+        _same_leftover_corpus(corpus, folder, found)
+    else:
         if isinstance(corpus, (str, os.PathLike)) and not _is_converted(corpus):
             cached = cache_folder(corpus)  # converted already (the driver reads it too)
             if read_info(cached) is not None:
@@ -276,7 +475,38 @@ def _corpus_into(corpus: CorpusSource, folder: Path) -> Corpus:
                 _link_or_copy(Path(source.path).with_name(CORPUS_INFO), folder / CORPUS_INFO)
             else:
                 _write_table(source, folder)
+    _add_sample(folder)
     return Corpus.open(folder)
+
+
+def _same_leftover_corpus(corpus: CorpusSource, folder: Path, info: dict[str, Any]) -> None:
+    """Refuse a converted corpus found in the folder that is not ``corpus``: a file's
+    conversion by the file's stamp (path, size, mtime: an edited file is another corpus),
+    a converted or in-memory corpus by its fingerprint."""
+    from ray_credit.actors.corpus import CORPUS_FILE
+
+    if isinstance(corpus, (str, os.PathLike)) and not _is_converted(corpus):
+        there, here = info.get("source"), source_stamp(corpus)
+    else:
+        there, here = info["fingerprint"], Corpus.coerce(corpus).fingerprint
+    if there != here:
+        raise InputError(
+            f"index folder {folder} holds another corpus ({folder / CORPUS_FILE}, from "
+            f"{there}) than this build's ({here}), left by a build of other settings; "
+            f"{rebuild_hint(folder)}"
+        )
+
+
+def _add_sample(folder: Path) -> None:
+    """Give a corpus record converted before records held sampled rows (a link from an
+    older cache) its :func:`~ray_credit.actors.corpus.sample_digest`, from the file it was
+    just checked against by count, so this folder's corpus is checked when opened."""
+    from ray_credit.actors.corpus import CORPUS_INFO, sample_digest
+
+    info = read_info(folder)
+    if info is not None and "sample" not in info:
+        info["sample"] = sample_digest(Corpus.open(folder).table)
+        _write_json(folder / CORPUS_INFO, info)  # a file of its own: the link is left alone
 
 
 def _is_converted(path: str | os.PathLike) -> bool:
@@ -348,6 +578,44 @@ class ShardEmbedder:
         return {"shard": np.asarray(batch["shard"]), "docs": np.asarray(docs)}
 
 
+def _shards_record(corpus: Corpus, identity: dict[str, Any], shard_docs: int) -> dict[str, Any]:
+    """What the shards of ``embeddings/`` depend on (``embeddings/shards.json``): the
+    corpus, the encoder and its model files, the shard size; not the index kind."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "corpus_fingerprint": corpus.fingerprint,
+        "num_docs": len(corpus),
+        "encoder": identity["encoder"],
+        "model_files": identity["model_files"],
+        "shard_docs": shard_docs,
+    }
+
+
+def _claim_shards(folder: Path, record: dict[str, Any]) -> None:
+    """Reuse the shards in ``embeddings/`` only when its record (written before the first
+    shard) says these settings made them; shards of other settings, or with no record
+    (another build's, its record lost), are refused."""
+    shards = folder / _SHARDS
+    path = shards / _SHARDS_INFO
+    shards.mkdir(exist_ok=True)
+    if path.is_file():
+        there = read_json(path, rebuild_hint(folder))
+        differ = {k: (there.get(k), record[k]) for k in record if there.get(k) != record[k]}
+        if differ:
+            raise InputError(
+                f"{shards} holds embeddings of other settings ({spell_differences(differ)}), "
+                f"left by another build; {rebuild_hint(folder)}"
+            )
+        return
+    if any(shards.glob("shard_*.npy")):
+        raise InputError(
+            f"{shards} holds embeddings with no record of the corpus and encoder that made "
+            f"them ({_SHARDS_INFO}), left by another build; {rebuild_hint(folder)}"
+        )
+    (shards / _ENCODER_INFO).unlink(missing_ok=True)  # unvouched for, as the shards would be
+    _write_json(path, record)
+
+
 def _embed(
     folder: Path,
     corpus: Corpus,
@@ -357,9 +625,10 @@ def _embed(
     worker_cpus: float,
     worker_gpus: float,
     resources: dict[str, float] | None,
+    identity: dict[str, Any],
 ) -> dict[str, Any]:
     """Embed every shard not on disk yet; the encoder's manifest."""
-    (folder / _SHARDS).mkdir(exist_ok=True)
+    _claim_shards(folder, _shards_record(corpus, identity, shard_docs))
     shards = _shards(len(corpus), shard_docs)
     todo = [s for s in shards if not _shard_path(folder, s[0]).is_file()]
     done_docs = len(corpus) - sum(stop - start for _, start, stop in todo)
@@ -383,7 +652,7 @@ def _embed(
     info = folder / _SHARDS / _ENCODER_INFO
     if not info.is_file():  # every shard there, its encoder's record lost: embed none, ask
         _write_json(info, Encoder(encoder).manifest())
-    return json.loads(info.read_text())
+    return read_json(info, rebuild_hint(folder), ("dim",))
 
 
 def _ray_connected() -> bool:

@@ -43,12 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ray_credit.actors.corpus import Corpus, CorpusSource, corpus_fingerprint, source_stamp
+from ray_credit.actors.corpus import Corpus, CorpusSource, corpus_fingerprint
 from ray_credit.actors.dense_index import (
     MANIFEST,
     DenseIndex,
     IndexConfig,
     check_index_folder,
+    check_whole_folder,
     faiss_module,
     read_manifest,
 )
@@ -60,7 +61,7 @@ from ray_credit.actors.encoder import (
     canonical_encoder_name,
     resolve_encoder_path,
 )
-from ray_credit.actors.index_build import ensure_index, index_identity
+from ray_credit.actors.index_build import ensure_index, index_identity, same_corpus
 from ray_credit.config import InputError
 from ray_credit.log import log
 
@@ -140,20 +141,9 @@ def index_cache_folder(
 
 
 def _same_corpus(given: CorpusSource, docs: Corpus, folder: Path) -> None:
-    """Refuse an index folder whose corpus is not ``given``: a file that is the one it was
-    converted from (same path, size, mtime) passes at the cost of a stat; another file is
-    converted (once, into the cache) and its fingerprint compared."""
-    if isinstance(given, (str, os.PathLike)):
-        path = Path(given)
-        if path.is_dir() or path.name.endswith(".arrow"):
-            fingerprint = Corpus.from_file(path).fingerprint
-        elif docs.source == source_stamp(path):
-            return
-        else:
-            fingerprint = Corpus.from_file(path).fingerprint
-    else:
-        fingerprint = Corpus.coerce(given).fingerprint
-    if fingerprint != docs.fingerprint:
+    """Refuse an index folder whose corpus is not ``given`` (:func:`same_corpus`)."""
+    fingerprint = same_corpus(given, docs)
+    if fingerprint is not None:
         raise InputError(
             f"the index in {folder} was built from another corpus ({len(docs)} docs, "
             f"fingerprint {docs.fingerprint}) than the one given (fingerprint {fingerprint}); "
@@ -246,6 +236,8 @@ class Retriever:
                 raise InputError(f"{folder} holds no whole index; give the corpus to build it from")
             ensure_index(corpus, folder, encoder=enc_config, index=config,
                          index_file=index_file, **(build or {}))  # fmt: skip
+        else:  # its files and its corpus, cheaply, before faiss maps the index
+            check_whole_folder(folder)
         dense = DenseIndex.load(folder, config)
         docs = Corpus.open(folder)
         if loaded and index_folder is not None and corpus is not None:
