@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -91,10 +92,15 @@ def connect(cfg: Any, demand: Mapping[str, float] | None = None, *, asks: Sequen
     # address="local": a new cluster even when a `ray start` head runs on this machine.
     # With its dashboard: Ray Train's placement-group cleaner (the warm-start's and SFT's
     # jobs) asks the state API it serves whether the training's controller lives. Without
-    # one it warns every second of the job, and another Ray's dashboard on this machine's
-    # default port answers in its place: it knows no such actor, the cleaner reads the
-    # controller as dead and removes the placement group under the running training.
+    # one it warns every second of the job, and another Ray's dashboard answers in its
+    # place: it knows no such actor, the cleaner reads the controller as dead and removes
+    # the placement group under the running training. On a free port that the workers are
+    # told of (RAY_API_SERVER_ADDRESS): left to look, the state API in a worker asks the
+    # cluster that the last `ray start` on this machine recorded, or gives up among several.
+    dashboard_port = _free_port()
+    env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"  # quiet's runtime_env
     context = ray.init(address="local", num_cpus=cpus, include_dashboard=True,
+                       dashboard_port=dashboard_port,
                        **({"num_gpus": gpus} if gpus is not None else {}), **quiet)  # fmt: skip
     short = _shortage(demand, ray.cluster_resources())
     if short:
@@ -111,6 +117,13 @@ def connect(cfg: Any, demand: Mapping[str, float] | None = None, *, asks: Sequen
         + (f" (dashboard: http://{dashboard})" if dashboard else "")
     )
     return ray
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now (the kernel's pick), released for Ray to bind."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _place_on_cluster(cfg: Any, asks: Sequence[Ask], ray: Any) -> None:

@@ -2,9 +2,10 @@
 fake-multinode twin of cluster.yaml scaling up and down, and cluster.yaml against Ray's
 own config schema.
 
-These start their own Ray head with `ray start` (default ports 6379 and 8265), in a new
-process session that teardown kills entirely: no `ray stop`, which would kill every Ray
-process on the machine. They run before tests/ray's shared cluster exists.
+These start their own Ray head with `ray start`, on free ports (tests/_ports.py) and with
+a Ray temp folder of its own, so that they run beside another Ray on this machine, in a
+new process session that teardown kills entirely: no `ray stop`, which would kill every
+Ray process on the machine. They run before tests/ray's shared cluster exists.
 """
 
 from __future__ import annotations
@@ -13,26 +14,23 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests._ports import ray_start_port_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-ADDRESS = "http://127.0.0.1:8265"
 
 pytestmark = pytest.mark.slow
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -51,15 +49,28 @@ def _session_pids(sid: int) -> list[int]:
 
 
 class RayHead:
-    """`ray start --head` in a process session of its own, with its own auth token."""
+    """`ray start --head` in a process session of its own, with its own auth token, its
+    own free ports (``address`` is its dashboard's, for `ray job`; ``gcs_address`` its
+    GCS's) and its own Ray temp folder. The folder (RAY_TMPDIR, which every process of the
+    head inherits) holds the address file through which Ray's CLIs and the state API in
+    its workers find the cluster, so that they find this head and no other; it is short,
+    for the sockets' paths. ``autoscaling_config``: a fake-multinode cluster of that YAML,
+    whose nodes the provider starts against this head's GCS (its ``gcs_address``)."""
 
-    def __init__(self, tmp: Path, *args: str, fake_cluster: bool = False):
-        for port in (6379, 8265):
-            if not _port_free(port):
-                pytest.fail(
-                    f"port {port} is taken: a Ray cluster is running on this machine; stop it "
-                    "(`ray stop`) before running tests/e2e"
-                )
+    def __init__(self, tmp: Path, *args: str, autoscaling_config: Path | None = None):
+        from ray.util import get_node_ip_address
+
+        ports, port_flags = ray_start_port_flags()
+        self.address = f"http://127.0.0.1:{ports['dashboard-port']}"
+        self.gcs_address = f"{get_node_ip_address()}:{ports['port']}"
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="ray-e2e-"))
+        if autoscaling_config is not None:
+            # the fake provider starts nodes against port 6379 unless told the head's
+            config = yaml.safe_load(autoscaling_config.read_text())
+            config["provider"]["gcs_address"] = self.gcs_address
+            autoscaling_config = tmp / autoscaling_config.name
+            autoscaling_config.write_text(yaml.safe_dump(config, sort_keys=False))
+            args = (*args, f"--autoscaling-config={autoscaling_config}")
         self.env = {
             **os.environ,
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -68,13 +79,14 @@ class RayHead:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": secrets.token_hex(32),
             "RAY_CREDIT_CACHE": os.environ.get("RAY_CREDIT_CACHE", str(tmp / "cache")),
+            "RAY_TMPDIR": str(self.ray_tmp),
         }
         self.env.pop("RAY_ADDRESS", None)
-        if fake_cluster:
+        if autoscaling_config is not None:
             self.env["RAY_FAKE_CLUSTER"] = "1"
         self.tmp = tmp
         self.proc = subprocess.Popen(
-            [str(BIN / "ray"), "start", "--head", *args],
+            [str(BIN / "ray"), "start", "--head", *port_flags, *args],
             cwd=tmp, env=self.env, start_new_session=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
@@ -89,10 +101,9 @@ class RayHead:
         fails with "No available agent to submit job": submit a no-op job (--no-wait) until
         one is taken."""
         deadline = time.monotonic() + timeout
+        submit = ("job", "submit", "--address", self.address, "--no-wait")
         while True:
-            probe = self.ray(
-                "job", "submit", "--address", ADDRESS, "--no-wait", "--", "python", "-c", "pass"
-            )
+            probe = self.ray(*submit, "--", "python", "-c", "pass")
             if probe.returncode == 0:
                 return
             if time.monotonic() > deadline:
@@ -108,7 +119,7 @@ class RayHead:
 
     def active_nodes(self) -> dict[str, int]:
         """Node type -> count of the autoscaler's active nodes (`ray status`)."""
-        out = self.ray("status", timeout=60).stdout
+        out = self.ray("status", "--address", self.gcs_address, timeout=60).stdout
         counts: dict[str, int] = {}
         active = False
         for line in out.splitlines():
@@ -148,20 +159,19 @@ class RayHead:
         return job.returncode, peak
 
     def stop(self) -> None:
-        from ray._common.utils import reset_ray_address
-
         sid = self.proc.pid  # start_new_session: the session id is ray start's pid
-        reset_ray_address()  # as `ray stop` does: no later ray.init() looks for this head
         for sig in (signal.SIGTERM, signal.SIGKILL):
             pids = _session_pids(sid)
             if not pids:
-                return
+                break
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + 15
             while _session_pids(sid) and time.monotonic() < deadline:
                 time.sleep(0.5)
+        # its address file goes with it, as `ray stop` removes it; another Ray's stays
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
 def _summary(out_dir: Path, name: str) -> dict:
@@ -179,7 +189,7 @@ def test_job_submit_against_a_local_head(tmp_path):
     try:
         out = subprocess.run(
             [
-                str(BIN / "ray"), "job", "submit", "--address", ADDRESS, "--working-dir", ".",
+                str(BIN / "ray"), "job", "submit", "--address", head.address, "--working-dir", ".",
                 "--", "python", "pipelines/tspo.py",
                 "--config", "pipelines/configs/local_cluster.yaml",
                 "--resources.generator_resource", "none",
@@ -230,13 +240,11 @@ def test_the_readme_cluster_command_rehearsed_on_the_twin_which_scales_up_and_do
     two generators take a logical GPU each, and the run goes through its checkpoints to
     the end; then the idle nodes go away. Without storage every node sees, the same
     command is refused up front."""
-    head = RayHead(
-        tmp_path, f"--autoscaling-config={ROOT / 'cluster.local.yaml'}", fake_cluster=True
-    )
+    head = RayHead(tmp_path, autoscaling_config=ROOT / "cluster.local.yaml")
     try:
         assert set(head.first_report()) == {"ray.head.default"}
         command = [
-            str(BIN / "ray"), "job", "submit", "--address", ADDRESS, "--",
+            str(BIN / "ray"), "job", "submit", "--address", head.address, "--",
             "python", str(ROOT / "pipelines" / "tspo.py"),
             "--config", str(ROOT / "pipelines" / "configs" / "aws.yaml"),
             "--output_dir", str(tmp_path / "runs"), *REHEARSAL,
@@ -330,14 +338,12 @@ def test_a_node_hosting_a_generator_dies_mid_run(tmp_path):
     it). The run goes on: the dead generator's chunks go to the other, Ray restarts it
     once a node with its resource is there again (the autoscaler adds one in place of the
     dead), and the run ends with every group trained once."""
-    head = RayHead(
-        tmp_path, f"--autoscaling-config={ROOT / 'cluster.local.yaml'}", fake_cluster=True
-    )
+    head = RayHead(tmp_path, autoscaling_config=ROOT / "cluster.local.yaml")
     job_id, steps = "node-dies", 150  # about 0.3 s each: time to find and kill a node
     out = tmp_path / "runs" / "local-cluster"
 
     def job_status() -> str:
-        out = head.ray("job", "status", "--address", ADDRESS, job_id)
+        out = head.ray("job", "status", "--address", head.address, job_id)
         text = (out.stdout + out.stderr).lower()  # "Job 'node-dies' succeeded"
         return next((s for s in ("succeeded", "failed", "stopped") if s in text), "running")
 
@@ -350,7 +356,7 @@ def test_a_node_hosting_a_generator_dies_mid_run(tmp_path):
         # --no-wait and polling: a job's log tail over the dashboard's websocket can drop
         # while nodes come and go, which would end `ray job submit` but not the job
         submitted = head.ray(
-            "job", "submit", "--address", ADDRESS, "--submission-id", job_id, "--no-wait",
+            "job", "submit", "--address", head.address, "--submission-id", job_id, "--no-wait",
             "--", "python", str(ROOT / "pipelines" / "tspo.py"),
             "--config", str(ROOT / "pipelines" / "configs" / "local_cluster.yaml"),
             "--output_dir", str(tmp_path / "runs"), "--resources.num_generators", "2",
@@ -361,14 +367,14 @@ def test_a_node_hosting_a_generator_dies_mid_run(tmp_path):
         while logged_steps() < 2:
             status = job_status()
             assert status == "running" and time.monotonic() < deadline, head.ray(
-                "job", "logs", "--address", ADDRESS, job_id
+                "job", "logs", "--address", head.address, job_id
             ).stdout[-6000:]
             time.sleep(1)
         listed = head.ray(
-            "list", "actors", "--address", ADDRESS, "--detail", "--format", "json",
+            "list", "actors", "--address", head.address, "--detail", "--format", "json",
             "--filter", "class_name=Generator", "--filter", "state=ALIVE",
         )  # fmt: skip
-        nodes = head.ray("list", "nodes", "--address", ADDRESS, "--format", "json")
+        nodes = head.ray("list", "nodes", "--address", head.address, "--format", "json")
         head_ids = {n["node_id"] for n in json.loads(nodes.stdout) if n["is_head_node"]}
         generators = [a for a in json.loads(listed.stdout) if a["node_id"] not in head_ids]
         assert generators, listed.stdout + listed.stderr + nodes.stdout
@@ -378,7 +384,7 @@ def test_a_node_hosting_a_generator_dies_mid_run(tmp_path):
         while (status := job_status()) == "running" and time.monotonic() < deadline:
             time.sleep(2)
         finished_at = time.monotonic()
-        log_text = head.ray("job", "logs", "--address", ADDRESS, job_id).stdout
+        log_text = head.ray("job", "logs", "--address", head.address, job_id).stdout
         assert status == "succeeded", log_text[-6000:]
         summary = _summary(tmp_path / "runs", "local-cluster")
         assert summary["steps"] == steps and summary["groups_trained"] == 2 * steps
