@@ -46,6 +46,7 @@ from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLL
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
 from ray_credit.models import AttnImplementation, Dtype
+from ray_credit.process_memory import PeakMeter, memory_report, release_free_memory
 from ray_credit.progress import NoBar, progress_bar
 from ray_credit.protocol import (
     INVALID_ACTION_FEEDBACK,
@@ -298,6 +299,7 @@ class Generator:
         self._unseeded_calls = 0  # calls that gave no seed: the next such call's seed offset
         self._load_seconds = 0.0  # loading weights since the last generate call
         self._weight_group = None  # set by join_weight_group (broadcast weight sync)
+        self._memory = PeakMeter()  # the process's peak between chunks (the pipeline's)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, version: int, weights: Mapping[str, Any]) -> int:
@@ -314,6 +316,7 @@ class Generator:
             )
         start = time.perf_counter()
         self.sampler.load_weights(weights)
+        release_free_memory()  # the engine's copies of the old weights
         self._load_seconds += time.perf_counter() - start
         self.policy_version = int(version)
         return self.policy_version
@@ -465,7 +468,11 @@ class Generator:
         None: the next seed of this generator's own sequence."""
         seed = None if call is None else self.config.seed + call
         batch = self.generate(questions, progress=progress, seed=seed)
-        return batch, {**generation_summary(batch), "incarnation": self.incarnation}
+        summary = {**generation_summary(batch), "incarnation": self.incarnation}
+        memory = memory_report(self._memory)  # what the rollouts freed goes back first
+        if memory is not None:
+            summary["memory"] = memory
+        return batch, summary
 
     # ------------------------------------------------------------------ steps
     def _start(self, questions, size: int, call: str) -> list[_Rollout]:

@@ -60,6 +60,7 @@ from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
 from ray_credit.losses import KLKind, PolicyLossConfig
 from ray_credit.models import AttnImplementation, Autocast, Dtype, load_model
+from ray_credit.process_memory import PeakMeter, memory_report
 from ray_credit.storage import StoragePath
 
 __all__ = ["Learner", "LearnerConfig"]
@@ -292,6 +293,7 @@ class Learner:
         }
         self._rng = np.random.default_rng(self.config.seed)
         self._weight_group = None  # set by open_weight_group (broadcast weight sync)
+        self._memory = PeakMeter()  # the process's peak between updates
 
     # ---------------------------------------------------------------------- weights
     @property
@@ -459,6 +461,7 @@ class Learner:
         update's seconds (each epoch goes over every token once, whatever the number of
         mini-batches it is cut into)."""
         metrics = {f"learner/{k}": v for k, v in means.items()}
+        metrics.update(self._memory_metrics())
         self.policy_version += 1
         self.counters["learner/batches"] += 1
         seconds = time.perf_counter() - start
@@ -478,6 +481,18 @@ class Learner:
             }
         )
         return metrics
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """This process's peak resident memory since the last update ended (the update's
+        passes, and the weights published or saved in between) and what it holds once the
+        allocator has given back the pages the update freed, in GiB: ``memory/learner_*``,
+        the largest over the ranks of a data-parallel learner."""
+        report = memory_report(self._memory) or {"rss_gb": -1.0, "peak_gb": -1.0}
+        rss = self.world.all_reduce_max(report["rss_gb"])  # every rank takes part
+        peak = self.world.all_reduce_max(report["peak_gb"])
+        if rss < 0:  # no rank could read its memory (no /proc)
+            return {}
+        return {"memory/learner_rss_gb": rss, "memory/learner_peak_gb": peak}
 
     def _optimizer_step(self, data: dict, lengths, rows, live: np.ndarray) -> dict[str, float]:
         """One optimizer step on the mini-batch ``rows``; only the ``live`` ones (see

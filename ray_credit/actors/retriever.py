@@ -64,6 +64,7 @@ from ray_credit.actors.encoder import (
 from ray_credit.actors.index_build import ensure_index, index_identity, same_corpus
 from ray_credit.config import InputError
 from ray_credit.log import log
+from ray_credit.process_memory import PeakMeter, memory_report
 
 if TYPE_CHECKING:  # pragma: no cover
     from ray.actor import ActorHandle
@@ -462,6 +463,7 @@ class RetrieverActor:
             batch_wait_ms=batch_wait_ms,
             max_topk=len(self.retriever.corpus),
         )
+        self._memory = PeakMeter()
 
     async def search(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
         """Hits for ``queries``, best first, coalesced with other callers' concurrent calls."""
@@ -470,6 +472,11 @@ class RetrieverActor:
     async def metrics(self) -> dict[str, float]:
         """:meth:`Retriever.metrics` and :meth:`QueryBatcher.metrics` in one dict."""
         return {**self.retriever.metrics(), **self.batcher.metrics()}
+
+    async def memory(self) -> dict[str, float] | None:
+        """This process's resident memory and its peak since the last call (GiB); a
+        memory-mapped index and corpus count only for the pages read."""
+        return memory_report(self._memory)
 
     async def info(self) -> dict[str, Any]:
         """The index manifest plus where it runs (``encoder_device``, ``index_on_gpu``) and

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ray_credit.batch import TrajectoryBatch
+from ray_credit.process_memory import PeakMeter, memory_report
 
 __all__ = ["InfoGainScorer", "WeightsBehind", "make_scorer_actor"]
 
@@ -111,6 +112,11 @@ class InfoGainScorer:
         self.policy_version = 0
         context = _actor_context()  # None outside a Ray actor
         self._restarted = bool(context and context.was_current_actor_reconstructed)
+        self._memory = PeakMeter()
+
+    def memory(self) -> dict[str, float] | None:
+        """This process's resident memory and its peak since the last call (GiB)."""
+        return memory_report(self._memory)
 
     def get_policy_version(self) -> int:
         """The version of the weights it scores with (0: the base model's)."""

@@ -185,7 +185,12 @@ class Logger:
             + f"approx_kl {_shown(row, 'learner/approx_kl', '+.2e')}  "
             f"stale≤{int(row.get('staleness/max', 0))}  "
             f"gen {row.get('gen/tokens_per_s', 0):.0f} tok/s  step {row.get('time/step_s', 0):.0f}s  "
-            f"[{elapsed / 60:.1f} min]",
+            + (
+                f"mem {row['memory/node_used_gb']:.1f}/{row['memory/node_total_gb']:.0f} GB  "
+                if "memory/node_used_gb" in row
+                else ""
+            )
+            + f"[{elapsed / 60:.1f} min]",
         )
 
     def finish(self) -> None:

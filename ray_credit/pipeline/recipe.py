@@ -145,6 +145,7 @@ def train(
         resume_from=cfg.resume,
         on_step=lambda metrics: outputs.step(metrics, pipe_cfg.steps),
         metadata={"run_config": run_config},
+        services=_memory_reporters(retrievers, scorer),
     )
     history = pipeline.run()
     summary.update(steps=pipeline.step, groups_trained=len(pipeline.trained_groups),
@@ -172,6 +173,17 @@ def train(
     log.info(f"wrote {out}/summary.json, {out}/plot.png, {out}/metrics.jsonl, checkpoint "
              f"{pipe_cfg.checkpoint_dir}")  # fmt: skip
     return summary
+
+
+def _memory_reporters(retrievers: Sequence[Any], scorer: Any) -> dict[str, list]:
+    """The service actors whose memory each step reports: the retriever's replicas (not
+    a client of a server of the user's own) and the info-gain scorer."""
+    from ray_credit.actors.generator import NamedActor
+
+    services = {"retriever": [r.handle for r in retrievers if isinstance(r, NamedActor)]}
+    if scorer is not None:
+        services["scorer"] = [scorer]
+    return {role: actors for role, actors in services.items() if actors}
 
 
 def _warm_start(

@@ -126,6 +126,10 @@ def _generation(summaries: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     out["gen/searches_per_traj"] = out["gen/searches"] / n
     out["gen/invalid_rate"] = out["gen/invalid_actions"] / turns
     out["gen/truncation_rate"] = out["gen/truncated_turns"] / turns
+    memory = [s["memory"] for s in summaries if s.get("memory")]
+    if memory:  # the largest generator process of the step (GiB), after and at its peak
+        out["memory/generator_rss_gb"] = max(m["rss_gb"] for m in memory)
+        out["memory/generator_peak_gb"] = max(m["peak_gb"] for m in memory)
     return out
 
 

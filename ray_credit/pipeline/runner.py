@@ -115,6 +115,7 @@ from ray_credit.pipeline.checkpointing import (
     resolve_checkpoint,
 )
 from ray_credit.pipeline.report import chunk_report, staleness_of, step_metrics
+from ray_credit.process_memory import PeakMeter, memory_report, node_memory, ray_processes_gb
 from ray_credit.storage import StoragePath
 
 __all__ = [
@@ -428,6 +429,10 @@ class Pipeline:
         metadata: a JSON-able dict saved with every checkpoint (``pipeline.json``'s
             ``metadata``; :func:`checkpoint_state` reads it back): what a caller needs
             to resume its run, e.g. the run's whole config.
+        services: other actors of the run whose memory each step reports, by role
+            (``{"retriever": [handle]}``: ``memory/retriever_rss_gb``), each answering
+            ``memory()`` with ``{"rss_gb", "peak_gb"}`` or None. They are asked once a
+            step and never waited for: a busy one's figure comes with a later step.
     """
 
     def __init__(
@@ -443,6 +448,7 @@ class Pipeline:
         resume_from: str | os.PathLike | None = None,
         on_step: Callable[[dict[str, float]], None] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        services: Mapping[str, Sequence[Any]] | None = None,
     ):
         import ray
 
@@ -465,6 +471,11 @@ class Pipeline:
         self._strata = _strata(self.questions, cfg.stratify_by)
         self.on_step = on_step
         self.metadata = dict(metadata or {})
+        self.services = {role: list(actors) for role, actors in (services or {}).items()}
+        self._memory_asked: dict[str, list] = {}  # role -> memory() refs not read yet
+        self._memory = PeakMeter()  # the driver's own
+        self._checkpoint_s = 0.0  # the last save's seconds, not reported yet
+        self._session_dir = _session_dir()
         try:  # refused now, not at the first checkpoint an hour in
             json.dumps(self.metadata)
         except (TypeError, ValueError) as err:
@@ -946,6 +957,7 @@ class Pipeline:
         training.interval = (training.interval[0], time.time())
         out = self._step_metrics(training)
         out.update(metrics)
+        out.update(self._memory_metrics())
         train_s = now - training.started
         out["time/train_s"] = train_s
         out["speed/train_tokens_per_s"] = out["train/tokens"] / max(train_s, 1e-9)
@@ -968,6 +980,8 @@ class Pipeline:
         out["time/publish_submit_s"] = time.perf_counter() - t1
         out.update(self._sync_metrics())
         out.update(self.failures)
+        # the checkpoint written after the last step (its seconds are in this step's)
+        out["time/checkpoint_s"], self._checkpoint_s = self._checkpoint_s, 0.0
         self._dispatch()  # the new version admits more groups: start them first
         out.update(
             {
@@ -987,8 +1001,44 @@ class Pipeline:
             self.step == cfg.steps
             or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)
         ):
+            t0 = time.perf_counter()
             self.save(cfg.checkpoint_dir)
+            self._checkpoint_s = time.perf_counter() - t0  # reported with the next step
         self._free_since = time.perf_counter()  # the learner's next wait starts now
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """``memory/*`` in GiB (docs/metrics.md): the driver, the services' latest answers,
+        Ray's own processes and the node's use, on the driver's node. The learner's and
+        the generators' come with their updates and chunks."""
+        import ray
+
+        out = {}
+        driver = memory_report(self._memory)
+        if driver is not None:
+            out["memory/driver_rss_gb"] = driver["rss_gb"]
+            out["memory/driver_peak_gb"] = driver["peak_gb"]
+        for role, actors in self.services.items():
+            asked = self._memory_asked.get(role)
+            if asked is not None:
+                done, _ = ray.wait(asked, num_returns=len(asked), timeout=0, fetch_local=True)
+                if len(done) == len(asked):
+                    del self._memory_asked[role]
+                    reports = [r for r in _memory_answers(done) if r is not None]
+                    if reports:  # the largest process of the role
+                        out[f"memory/{role}_rss_gb"] = max(r["rss_gb"] for r in reports)
+                        out[f"memory/{role}_peak_gb"] = max(r["peak_gb"] for r in reports)
+            if role not in self._memory_asked:
+                self._memory_asked[role] = [actor.memory.remote() for actor in actors]
+        if self._session_dir is not None:
+            held = ray_processes_gb(self._session_dir)
+            if held is not None:
+                out["memory/ray_gb"] = held
+        node = node_memory()
+        if node is not None:
+            out["memory/node_used_gb"] = node["used"]
+            out["memory/node_total_gb"] = node["total"]
+            out["memory/node_shared_gb"] = node["shared"]
+        return out
 
     def _step_metrics(self, training: _Training) -> dict[str, float]:
         """The step's combined metrics and where the learner's time went (module docstring)."""
@@ -1317,3 +1367,25 @@ def _on_this_node() -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def _memory_answers(refs: Sequence[Any]) -> list[dict | None]:
+    """The services' ``memory()`` answers; a service that died or failed meanwhile gives
+    none (its death is handled where its work is: the generators retry the retriever)."""
+    import ray
+
+    answers = []
+    for ref in refs:
+        try:
+            answers.append(ray.get(ref))
+        except (*actor_lost_errors(), ray.exceptions.RayTaskError):
+            answers.append(None)
+    return answers
+
+
+def _session_dir() -> str | None:
+    """The Ray session's folder (Ray's own processes name it), None without one."""
+    import ray
+
+    node = ray._private.worker._global_node  # the only handle on the session's folder
+    return None if node is None else node.get_session_dir_path()
