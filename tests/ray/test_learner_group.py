@@ -107,10 +107,11 @@ def test_chunk_refs_train_as_the_whole_batch(ray_cluster, batch, single):
         assert _max_diff(one_weights, ray_cluster.get(group.weights())) == 0.0
     finally:
         group.shutdown()
+    # the same update, but for its time and the process's memory (docs/metrics.md)
     timing = ("learner/seconds", "learner/tokens_per_s")
-    assert {k: v for k, v in chunked.items() if k not in timing} == {
-        k: v for k, v in one.items() if k not in timing
-    }
+    assert {
+        k: v for k, v in chunked.items() if k not in timing and not k.startswith("memory/")
+    } == {k: v for k, v in one.items() if k not in timing and not k.startswith("memory/")}
 
 
 @pytest.mark.e2e  # a rank killed: the second test command

@@ -159,6 +159,8 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path, monkeypatch):
     from ray_credit.pipeline.cli import main
 
     monkeypatch.setattr(recipe, "connect", _no_ray)  # refused before Ray starts
+    if "ray" in sys.modules:  # the suite's shared cluster: a script's own process has none
+        monkeypatch.setattr(sys.modules["ray"], "is_initialized", lambda: False)
     script = ROOT / "pipelines" / "tspo.py"
     for i, (flags, message) in enumerate(cases + cluster):
         if i == len(cases):
