@@ -6,8 +6,7 @@ the tokens the policy generated (tool observations and padding are 0).
 
 Semantics follow verl's ``core_algos.py`` (``compute_policy_loss_vanilla``, ``agg_loss``,
 ``kl_penalty``) and, for the turn-level ratio with adaptive clipping, A2TGPO's
-``compute_policy_loss_gspo_turn``. See ``ALGORITHMS.md`` sections 2.2-2.5 and 7.4-7.6 for the
-reference equations and the test vectors the unit tests reproduce.
+``compute_policy_loss_gspo_turn``; the unit tests check hand-computed vectors of each.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The policy writes free text that contains one action per turn:
 
 :func:`parse_action` turns one generation into an :class:`Action`; :func:`format_observation`
 turns retrieved documents into the text fed back to the policy; :class:`PromptTemplate`
-renders the first user prompt. See ``ALGORITHMS.md`` section 1.4 for the reference formats.
+renders the first user prompt.
 """
 
 from __future__ import annotations

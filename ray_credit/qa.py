@@ -1,7 +1,7 @@
 """Answer normalization, exact match, F1, answer extraction and "contains gold" checks.
 
 The semantics follow the reference implementations so that scores are comparable with
-published numbers (see ``ALGORITHMS.md`` section 1.3):
+published numbers:
 
 * :func:`normalize_answer`, :func:`em_check`, :func:`subem_check` and :func:`contains_gold`
   reproduce Search-R1's ``qa_em.py`` / ``qa_em_format.py``.

@@ -1,6 +1,6 @@
 """InfoGainScorer: per-turn information gain of the gold answer under the policy that acted.
 
-IGPO (arXiv 2510.14967; ALGORITHMS.md 6.1) and A2TGPO (ALGORITHMS.md 7.2) reward a turn by
+IGPO (arXiv 2510.14967) and A2TGPO (docs/estimators.md) reward a turn by
 how much it raised the policy's belief in the gold answer. For trajectory ``i`` with
 turns ``0..T-1`` and ``c_k`` the token context before turn ``k`` (``c_0``: the prompt;
 ``c_k``: the prompt plus turns ``0..k-1`` with their observations), the scorer appends a

@@ -2,7 +2,7 @@
 
 Paper: "A2TGPO: Agentic Turn-Group Policy Optimization with Adaptive Turn-level Clipping",
 arXiv 2605.06200, Section 4, Eq. (6)-(11). Numbers checked against a copy of the authors'
-code (``compute_igpo_step_advantage``, mode ``turn-group-v1d``; ALGORITHMS.md section 7).
+code (``compute_igpo_step_advantage``, mode ``turn-group-v1d``).
 
 An IG turn is a non-final turn with a non-null ``turn_info_gain`` (IGPO's Eq. (3)). For
 prompt group ``q``, IG turn ``k`` of trajectory ``i`` (its ``k``-th IG turn, ``n_i`` of them)::
@@ -242,7 +242,7 @@ ESTIMATORS = (
         A2TGPOConfig,
         ("group_id", "outcome_reward", "turns", "turn_info_gain"),
         "turn-group IG normalization, variance-rescaled accumulation, adaptive clip (A2TGPO)",
-        # ATGPO_multihop_qwen3_4B.sh (ALGORITHMS.md 7.2, 7.5): log-prob IG, the turn-level
+        # ATGPO_multihop_qwen3_4B.sh: log-prob IG, the turn-level
         # ratio with its own clip range (scaled per turn by turn_clip_scale), no KL.
         signals={"info_gain": {"mode": "log_prob_diff"}},
         learner={"loss.ratio_level": "turn", "loss.clip_low": 3e-3, "loss.clip_high": 4e-3},

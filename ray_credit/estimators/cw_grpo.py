@@ -3,7 +3,7 @@
 Paper: "Enhancing LLM-based Search Agents via Contribution Weighted Group Relative Policy
 Optimization", arXiv 2604.14267 (ACL 2026), Key Designs 1-3; official code
 ``zsxmwjz/CW-GRPO`` @ 11508ad (``compute_cw_grpo_advantage`` and the contribution block of
-``ray_trainer.compute_advantage``), see ALGORITHMS.md section 4. The paper text we have
+``ray_trainer.compute_advantage``). The paper text we have
 carries no equation numbers, so comments cite the Key Design.
 
 A turn is a CW-GRPO "round". Trajectory ``i`` has ``T_i`` turns; its final turn is the
@@ -26,7 +26,7 @@ successful trajectory makes that trajectory fall back to uniform weights (plain 
 counted in ``cw_grpo/null_judgement_trajs`` / ``cw_grpo/null_judgement_turns``. Final-turn
 judgements are not read.
 
-``official_compat=True`` reproduces the official code (ALGORITHMS.md 4.2-4.3): alpha >=
+``official_compat=True`` reproduces the official code: alpha >=
 ``inf_threshold`` gives ``c = p / max(sum of p over ALL rounds incl. the last, 1e-6)``
 (quirks a, b: a judged last round dilutes the weights, all-zero p zeroes the search
 rounds); the switch is ``A^O < 0 -> factor 1`` instead of success; null judgements are read
@@ -209,7 +209,7 @@ ESTIMATORS = (
         ("group_id", "outcome_reward", "turns", "judge_utility", "judge_correct"),
         "GRPO advantage redistributed over search rounds by judged contribution (CW-GRPO)",
         signals={"cw_grpo_judgement": {}},
-        learner={"kl_coef": 1e-3},  # ALGORITHMS.md 4.2: low_var_kl (k3) loss, coef 0.001
+        learner={"kl_coef": 1e-3},  # the official recipe: low_var_kl (k3) loss, coef 0.001
         composition=cw_grpo_composition,
     ),
 )

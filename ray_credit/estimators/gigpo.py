@@ -2,7 +2,7 @@
 
 Paper: "Group-in-Group Policy Optimization for LLM Agent Training" (Feng et al., 2025,
 arXiv 2505.10978), Eq. (5) step returns and the two-level advantage; numbers and quirks
-follow the official verl-agent code (``core_gigpo.py``, ALGORITHMS.md section 8).
+follow the official verl-agent code (``core_gigpo.py``).
 
 Each turn is one GiGPO environment step. The anchor state of turn ``k`` is what the
 policy saw before acting: the ``question`` for ``k = 0``, the observation of turn ``k-1``
@@ -300,7 +300,7 @@ ESTIMATORS = (
         GiGPOConfig,
         ("group_id", "outcome_reward", "turns", "question"),
         "episode-level plus anchor-state step-level group normalization (GiGPO)",
-        learner={"kl_coef": 1e-3},  # ALGORITHMS.md 8.2: KL loss 0.001 low_var_kl (k3)
+        learner={"kl_coef": 1e-3},  # the official recipe: KL loss 0.001 low_var_kl (k3)
         composition=gigpo_composition,
     ),
 )

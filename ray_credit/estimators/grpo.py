@@ -107,7 +107,7 @@ ESTIMATORS = (
         DrGRPOConfig,
         _REQUIRES,
         "GRPO without std normalization (Dr.GRPO)",
-        # ALGORITHMS.md 2.4: Dr.GRPO sums token losses over a constant length
+        # Dr.GRPO sums token losses over a constant length
         learner={"loss.agg_mode": "seq-mean-token-sum-norm"},
         composition=grpo_composition,
     ),

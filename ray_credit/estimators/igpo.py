@@ -3,7 +3,7 @@
 Paper: "Information Gain-based Policy Optimization" (IGPO), arXiv 2510.14967 (ICLR 2026).
 The equations are numbered as restated in the A2TGPO paper (arXiv 2605.06200, Section 3,
 Eq. (2)-(5)); the numbers come from the authors' updated code (upstream commit 745078b,
-CHANGELOG_20260201; ALGORITHMS.md section 6).
+CHANGELOG_20260201).
 
 ``m_t`` is the mean log-probability of the gold answer's tokens given the context after
 turn ``t`` (``t = 0``: the prompt alone). A non-final turn ``k`` of trajectory ``i`` gets
@@ -178,7 +178,7 @@ ESTIMATORS = (
         ("group_id", "outcome_reward", "turns", "turn_info_gain"),
         "information-gain turn rewards, group-normalized, discounted backwards (IGPO)",
         signals={"info_gain": {"mode": "prob_diff"}},
-        learner={"kl_coef": 1e-3},  # ALGORITHMS.md 6.3: KL loss, coef 0.001 (k3)
+        learner={"kl_coef": 1e-3},  # the official recipe: KL loss, coef 0.001 (k3)
         composition=igpo_composition,
     ),
 )

@@ -601,7 +601,7 @@ class ContributionSettings:
     alpha: float = math.inf
     """Softmax temperature over the judged contributions (inf: the argmax limit; 0: none)."""
     official_compat: bool = False
-    """Reproduce the official code (ALGORITHMS.md 4.2-4.3) instead of the paper."""
+    """Reproduce the official code instead of the paper."""
     inf_threshold: float = 10.0
     """official_compat only: alpha >= this takes the official alpha = inf path."""
 

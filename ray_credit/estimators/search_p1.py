@@ -2,7 +2,7 @@
 
 Paper: "Search-P1: Path-Centric Reward Shaping for Stable and Efficient Agentic RAG
 Training", arXiv 2602.22576v1, Section 3, Eq. (4), (6)-(8) and Algorithm 3; no official
-code exists (ALGORITHMS.md section 5). The evaluator (an LLM) fills the ``sp1_*`` columns.
+code exists. The evaluator (an LLM) fills the ``sp1_*`` columns.
 
 ``variant="equations"`` (default)::
 
@@ -254,7 +254,7 @@ ESTIMATORS = (
         ("group_id", "outcome_reward", "turns", *EVALUATOR_FIELDS),
         "path-centric reward (plan execution, reference coverage, soft outcome) + GRPO (Search-P1)",
         signals={"search_p1_evaluation": {}},
-        # ALGORITHMS.md 5.1: clip 0.2 to 0.28 (DAPO's clip-higher), low-var KL loss 0.001
+        # the paper's recipe: clip 0.2 to 0.28 (DAPO's clip-higher), low-var KL loss 0.001
         learner={"loss.clip_high": 0.28, "kl_coef": 1e-3},
         composition=search_p1_composition,
     ),

@@ -1,6 +1,6 @@
 """CW-GRPO's per-turn judgement: retrieval utility ``u`` and reasoning correctness ``v``.
 
-CW-GRPO (arXiv 2604.14267, ALGORITHMS.md section 4) asks an LLM judge, for every turn of
+CW-GRPO (arXiv 2604.14267) asks an LLM judge, for every turn of
 a trajectory, whether the turn's search brought relevant new material (``u``) and whether
 its reasoning and action were sound (``v``); the estimator weights each search round by
 ``p = u * v``. Columns: ``judge_utility`` and ``judge_correct``, int8 per turn, null

@@ -1,6 +1,6 @@
 """Information gain: how much each turn raised the policy's belief in the gold answer.
 
-IGPO (arXiv 2510.14967, ALGORITHMS.md 6.1) and A²TGPO (ALGORITHMS.md 7.2) reward a turn by
+IGPO (arXiv 2510.14967) and A²TGPO (docs/estimators.md) reward a turn by
 the change in the acting policy's probability of the gold answer from the context before
 the turn to the context after it (its observation included). The
 :class:`~ray_credit.actors.scorer.InfoGainScorer` computes it with batched forward passes

@@ -1,6 +1,6 @@
 """Search-P1's evaluator: the ``sp1_*`` fields of each trajectory.
 
-Search-P1 (arXiv 2602.22576, ALGORITHMS.md section 5) asks an evaluator LLM to compare a
+Search-P1 (arXiv 2602.22576) asks an evaluator LLM to compare a
 trajectory with the question's reference plan: the quality of the agent's own plan, how
 many of its steps it carried out, how many reference steps it covered, and a soft grade
 of the outcome. The estimator (``estimators/search_p1.py``) turns them into the path

@@ -1,4 +1,4 @@
-"""A2TGPO: ALGORITHMS.md 7.6 vectors, a slow reference loop, degenerate cases, contract."""
+"""A2TGPO: hand-computed vectors, a slow reference loop, degenerate cases, contract."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def assert_rows(batch, expected, column="turn_advantages"):
 
 
 # --------------------------------------------------------------------------- vectors
-# ALGORITHMS.md 7.6: r = [[0, .3, 0, .1, 0, 1], [0, 0, .1, 0, 0, 0], [0, -.1, 0, .2, 0, 0]],
+# hand-computed: r = [[0, .3, 0, .1, 0, 1], [0, 0, .1, 0, 0, 0], [0, -.1, 0, .2, 0, 0]],
 # row 2 masked at 5. Rows: (IG .3, IG .1, outcome 1), (IG .1, outcome 0), (IG -.1, IG .2, 0).
 def vector_batch():
     return make_batch(

@@ -1,4 +1,4 @@
-"""Unit tests for the CW-GRPO estimator (vectors from ALGORITHMS.md section 4.5)."""
+"""Unit tests for the CW-GRPO estimator (hand-computed vectors)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def assert_rows(actual: list[list[float]], expected: list[list[float]], atol: fl
 
 
 def vector_batch(last_judged: int = 1, null_turn: tuple[int, int] | None = None):
-    """ALGORITHMS.md 4.5: rewards [1,1,0,0]; rollout 0 p = [0,1,0 | last], rollout 1 p = [0,0 | last]."""
+    """Hand-computed: rewards [1,1,0,0]; rollout 0 p = [0,1,0 | last], rollout 1 p = [0,0 | last]."""
     rows = [
         {
             "reward": 1,
@@ -185,7 +185,7 @@ def ref_softmax(values: list[float], alpha: float) -> list[float]:
 
 
 def ref_cw_grpo(records: list[dict], cfg: CWGRPOConfig) -> tuple[list[list[float]], dict]:
-    """Straight from the paper (Designs 1-3) and ALGORITHMS.md 4.2, one trajectory at a time."""
+    """Straight from the paper (Designs 1-3), one trajectory at a time."""
     counts = {"redistributed": 0, "null_trajs": 0, "null_turns": 0}
     result = []
     for rec, a in zip(records, ref_outcome_advantage(records, cfg), strict=True):

@@ -1,4 +1,4 @@
-"""Unit tests for the GiGPO estimator (vectors from ALGORITHMS.md section 8.3)."""
+"""Unit tests for the GiGPO estimator (hand-computed vectors)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def trajectory(traj_id, reward, steps, *, group="g0", question="Q"):
 
 
 def vector_batch(a_actions=("search", "search", "answer")) -> TrajectoryBatch:
-    """ALGORITHMS 8.3: A has 3 turns and succeeds, B has 2 and fails; anchors [Q,o1,o2|Q,o1]."""
+    """Hand-computed: A has 3 turns and succeeds, B has 2 and fails; anchors [Q,o1,o2|Q,o1]."""
     a_obs = ("o1", "o2", None)
     return TrajectoryBatch.from_records(
         [
@@ -53,7 +53,7 @@ def close(actual, expected, atol: float = ATOL) -> None:
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, atol=atol, rtol=0)
 
 
-# ----------------------------------------------------------------------------- ALGORITHMS 8.3
+# ----------------------------------------------------------------------------- hand-computed
 
 
 def test_step_returns_and_anchor_groups():
@@ -183,7 +183,7 @@ def _std(values, ddof):
 
 
 def reference_gigpo(batch: TrajectoryBatch, cfg: GiGPOConfig):
-    """Slow per-group loop, straight from ALGORITHMS 8.1 and the official row-by-row clustering."""
+    """Slow per-group loop, straight from the paper and the official row-by-row clustering."""
     # A batch, or its records already converted (the bench times the loop alone).
     records = batch if isinstance(batch, list) else batch.to_records()
     members: dict[str, list[int]] = {}

@@ -1,4 +1,4 @@
-"""GRPO, Dr.GRPO and RLOO against ALGORITHMS.md 2.5 and a per-group loop reference."""
+"""GRPO, Dr.GRPO and RLOO against hand-computed vectors and a per-group loop reference."""
 
 import math
 

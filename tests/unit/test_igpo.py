@@ -1,4 +1,4 @@
-"""IGPO: ALGORITHMS.md 6.5 vectors, a slow reference loop, degenerate cases, contract."""
+"""IGPO: hand-computed vectors, a slow reference loop, degenerate cases, contract."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def assert_rows(batch, expected, column="turn_advantages"):
 
 
 # --------------------------------------------------------------------------- vectors
-# ALGORITHMS.md 6.5: r = [[0, .2, 0, -.1, 0, 1.0], [0, 0, .05, 0, 0, 0]], row 2 masked at 5.
+# hand-computed: r = [[0, .2, 0, -.1, 0, 1.0], [0, 0, .05, 0, 0, 0]], row 2 masked at 5.
 # Row 1: turns IG .2, IG -.1, outcome 1.0; row 2: turn IG .05, outcome 0.
 def vector_batch():
     return make_batch(

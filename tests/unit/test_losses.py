@@ -1,4 +1,4 @@
-"""Unit tests for ray_credit.losses (vectors from ALGORITHMS.md sections 2.5 and 7.6)."""
+"""Unit tests for ray_credit.losses (hand-computed vectors)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for the Search-P1 estimator (vectors from ALGORITHMS.md section 5.4)."""
+"""Unit tests for the Search-P1 estimator (hand-computed vectors)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ SEARCH4 = ["search"] * 4 + ["answer"]  # n_actions = 4, r_f = 0.1
 
 
 def evaluator(planner=1.0, plan=3, exec_self=2, covered=2, ref=2, acc=0.5, reason=0.8) -> dict:
-    """ALGORITHMS.md 5.4 inputs by default."""
+    """The hand-computed case's inputs by default."""
     return dict(zip(FIELDS, (planner, plan, exec_self, covered, ref, acc, reason), strict=True))
 
 

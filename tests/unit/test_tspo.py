@@ -1,4 +1,4 @@
-"""TSPO against ALGORITHMS.md 3.3, the paper's worked example, and a per-group loop reference."""
+"""TSPO against hand-computed vectors, the paper's worked example, and a per-group loop reference."""
 
 import math
 
@@ -17,7 +17,7 @@ def advantages(batch):
 
 
 def traj(correct, t_star, turns):
-    """A trajectory stated as in ALGORITHMS.md: (correct, 1-based t*, number of turns)."""
+    """A trajectory stated as in the paper: (correct, 1-based t*, number of turns)."""
     contains = [t_star is not None and k + 1 == t_star for k in range(turns)]
     return {"reward": float(correct), "turns": turns, "turn_contains_gold": contains}
 
