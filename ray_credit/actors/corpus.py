@@ -44,6 +44,7 @@ __all__ = [
     "count_docs",
     "read_json",
     "rebuild_hint",
+    "require_fields",
     "sample_digest",
     "source_stamp",
 ]
@@ -266,10 +267,16 @@ def read_json(path: str | os.PathLike, fix: str, fields: Sequence[str] = ()) -> 
         raise InputError(
             f"{path} holds a JSON {type(record).__name__}, not the object the library wrote; {fix}"
         )
+    require_fields(record, path, fix, fields)
+    return record
+
+
+def require_fields(record: dict[str, Any], path: str | os.PathLike, fix: str,
+                   fields: Sequence[str]) -> None:  # fmt: skip
+    """Refuse a record read from ``path`` that lacks one of ``fields`` (:func:`read_json`)."""
     missing = [name for name in fields if name not in record]
     if missing:
         raise InputError(f"{path} lacks the field(s) {missing}; {fix}")
-    return record
 
 
 def read_info(folder: str | os.PathLike) -> dict[str, Any] | None:

@@ -226,14 +226,15 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
     """A folder's ``manifest.json``, None when it has none (not built, or not whole); one
     that is not readable JSON, or of this format without its fields, is an InputError
     naming it (:func:`~ray_credit.actors.corpus.read_json`)."""
-    from ray_credit.actors.corpus import read_json, rebuild_hint
+    from ray_credit.actors.corpus import read_json, rebuild_hint, require_fields
 
     path = Path(folder) / MANIFEST
     if not path.is_file():
         return None
-    manifest = read_json(path, rebuild_hint(folder), ("format_version",))
-    if manifest["format_version"] == FORMAT_VERSION:
-        read_json(path, rebuild_hint(folder), _MANIFEST_FIELDS)  # a record of a few kB
+    fix = rebuild_hint(folder)
+    manifest = read_json(path, fix, ("format_version",))
+    if manifest["format_version"] == FORMAT_VERSION:  # an older format is refused by version
+        require_fields(manifest, path, fix, _MANIFEST_FIELDS)
     return manifest
 
 

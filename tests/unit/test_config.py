@@ -155,28 +155,26 @@ def test_pairs_take_two_values_and_yaml_errors_name_the_file(tmp_path, capsys):
         parse_config(Outer, ["--inner.betas", "0.9"])
     assert "takes 2 values" in capsys.readouterr().err
     file = tmp_path / "bad.yaml"
-    file.write_text("inner: [unclosed\n")
-    with pytest.raises(SystemExit):
-        parse_config(Outer, ["--config", str(file)])
+
+    def last_error_line(content: bytes) -> str:
+        file.write_bytes(content)
+        with pytest.raises(SystemExit):
+            parse_config(Outer, ["--config", str(file)])
+        return capsys.readouterr().err.splitlines()[-1]
+
     # one line that names the file, the line and column and what is wrong, not yaml's
     # message of five lines ending in a caret under a copy of the line
-    *_, last = capsys.readouterr().err.splitlines()
+    last = last_error_line(b"inner: [unclosed\n")
     assert last.endswith(
         f"error: --config {file}:2:1: not a readable YAML file: expected ',' or ']', but got "
         "'<stream end>' (while parsing a flow sequence that starts at line 1, column 8)"
     ), last
-    file.write_text("inner:\n\tlr: 0.5\n")
-    with pytest.raises(SystemExit):
-        parse_config(Outer, ["--config", str(file)])
-    *_, last = capsys.readouterr().err.splitlines()
+    last = last_error_line(b"inner:\n\tlr: 0.5\n")
     assert last.endswith(
         f"--config {file}:2:1: not a readable YAML file: found character '\\t' that cannot "
         "start any token (while scanning for the next token); YAML indents with spaces, not tabs"
     ), last
-    file.write_bytes(b"name: caf\xe9\n")
-    with pytest.raises(SystemExit):
-        parse_config(Outer, ["--config", str(file)])
-    assert f"--config {file}:1:10: not UTF-8 (byte 0xe9)" in capsys.readouterr().err
+    assert f"--config {file}:1:10: not UTF-8 (byte 0xe9)" in last_error_line(b"name: caf\xe9\n")
 
 
 def test_default_config_file_and_skipped_sections(tmp_path):
