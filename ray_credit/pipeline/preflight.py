@@ -8,6 +8,7 @@ refusal is an :class:`~ray_credit.config.InputError` that names the setting and 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,7 @@ def check_retrieval(cfg: Any) -> None:
     """The retriever's inputs, before Ray starts: a server's URL answers; else the corpus
     file's first document reads, the encoder is a preset, a model folder or a known hub id,
     and an index folder given holds an index (or nothing yet)."""
+    from ray_credit.actors.encoder import ENCODER_PRESETS
     from ray_credit.actors.retriever import check_index_folder, resolve_encoder_path
     from ray_credit.config import InputError
     from ray_credit.data.loaders import iter_corpus
@@ -115,7 +117,7 @@ def check_retrieval(cfg: Any) -> None:
         encoder = resolve_encoder_path(retriever.encoder.name)
     except (ImportError, FileNotFoundError) as err:
         raise InputError(f"retriever.encoder.name: {err}") from None
-    check_model("retriever.encoder.name", encoder)
+    check_model("retriever.encoder.name", encoder, names=list(ENCODER_PRESETS))
     if retriever.index_folder is not None:
         try:
             check_index_folder(retriever.index_folder)
@@ -150,23 +152,30 @@ def check_index_settings(cfg: Any, corpus: Any) -> None:
         raise InputError(f"retriever.index: {err}") from None
 
 
-def check_model(setting: str, model: str) -> None:
+def check_model(setting: str, model: str, *, names: Sequence[str] | None = None) -> None:
     """Refuse a model name no actor could load, before Ray starts: an embedded name, a
     folder with ``config.json`` (a Hugging Face model folder) or an id the hub or its
-    cache knows (only its config is fetched)."""
+    cache knows (only its config is fetched). ``names``: the names the setting takes
+    besides folders and ids, which the refusal lists (None: the embedded policies)."""
     from ray_credit.config import InputError, InputFileNotFoundError
     from ray_credit.models import EMBEDDED_MODELS, _model_name
 
-    usage = (
-        f"give an embedded name {sorted(EMBEDDED_MODELS)}, a Hugging Face model folder "
-        "(with config.json; a run's policy is its checkpoint's learner/model), or a hub id"
-    )
+    if names is None:
+        usage = (
+            f"give an embedded name {sorted(EMBEDDED_MODELS)}, a Hugging Face model folder "
+            "(with config.json; a run's policy is its checkpoint's learner/model), or a hub id"
+        )
+    else:
+        usage = (
+            f"give one of {sorted(names)}, a Hugging Face model folder (with config.json) "
+            "or a hub id"
+        )
     try:
         name = _model_name(model)  # not a name, blank, or a folder without config.json
     except (TypeError, InputError) as err:
         raise InputError(f"{setting}={model!r}: {err}") from None
     path = Path(name).expanduser()
-    if name in EMBEDDED_MODELS or path.is_dir():
+    if (names is None and name in EMBEDDED_MODELS) or path.is_dir():
         return
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise InputFileNotFoundError(f"{setting}={model!r}: no such folder; {usage}")

@@ -117,7 +117,8 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path, monkeypatch):
          "training questions"),
         # the retriever's inputs: its encoder, its corpus's first document, a server's URL
         (["--retriever.encoder.name", str(tmp_path / "no" / "encoder")], "retriever.encoder.name="
-         "'.*no/encoder': no such folder"),
+         "'.*no/encoder': no such folder; give one of \\['bge-base-en-v1.5', .*'minilm'\\], a "
+         "Hugging Face model folder"),
         (["--retriever.url", "http://127.0.0.1:9/retrieve"], "retriever.url: "),
         (["--data.questions", str(tmp_path / "q.jsonl"), "--data.corpus", str(tmp_path / "c.jsonl"),
           "--data.eval_questions", "1", "--warm_start.enabled", "false",
@@ -179,6 +180,29 @@ def test_bad_input_before_ray_is_one_line_naming_it(tmp_path, monkeypatch):
                 main(load("tspo.py", "TSPORun"), "tspo", "", argv=flags)
             error = f"{exit_.value.code}\n"
         assert re.fullmatch(f"tspo.py: error: {message}.*\n", error), (flags, error[-2000:])
+
+
+def test_an_encoder_is_refused_with_the_names_an_encoder_takes(monkeypatch):
+    """An encoder given a policy's embedded name is not taken for a policy: it is looked up
+    as a model id, and the refusal lists the encoders' names, not the policies'."""
+    import transformers
+
+    from ray_credit.actors.encoder import ENCODER_PRESETS
+    from ray_credit.config import InputError
+    from ray_credit.pipeline.preflight import check_model
+
+    def offline(*args, **kwargs):
+        raise OSError("no connection")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    with pytest.raises(InputError) as err:
+        check_model("retriever.encoder.name", "smollm2-135m", names=list(ENCODER_PRESETS))
+    assert re.fullmatch(
+        r"retriever.encoder.name='smollm2-135m' is not a folder here, .*\(no connection\); "
+        r"give one of \['bge-base-en-v1.5', .*'minilm'\], a Hugging Face model folder .*",
+        str(err.value),
+    ), str(err.value)
+    check_model("model", "smollm2-135m")  # a policy's embedded name, where a policy is asked
 
 
 @contextlib.contextmanager
