@@ -473,7 +473,8 @@ def nodes_of_cluster_yaml(path: str) -> list[Node]:
     worker type up to its max_workers (and the file's max_workers in all; a worker type
     without one may start that many, as Ray fills it in). The file is checked as far as
     the plan reads it, each refusal an :class:`~ray_credit.config.InputError` naming the
-    file, the node type and the key (``cluster.yaml: available_node_types.gpu_worker.
+    file, the node type and the key (a worker type must give its CPUs: Ray's fill-in from
+    the instance type comes too late for the plan) (``cluster.yaml: available_node_types.gpu_worker.
     resources.CPU: expected a number, got 'many'``), where Ray's own check would fail
     later, on the cluster, or a Python conversion here would name nothing."""
     from ray_credit.config import InputFileNotFoundError, read_yaml_file
@@ -534,7 +535,14 @@ def nodes_of_cluster_yaml(path: str) -> list[Node]:
                 "then takes its provider's default); give max_workers, the most nodes of "
                 "this type the autoscaler may start"
             )
-        _resources(spec, where, key)
+        if name != head and "CPU" not in _resources(spec, where, key):
+            given = "has no CPU in its resources" if spec.get("resources") else "gives no resources"
+            raise InputError(
+                f"{where}: {key} {given}; Ray fills them in from the instance type only once "
+                "such a node starts, too late to place the run against this file: give the "
+                "node's CPUs and GPUs as its instance has them (a p4d.24xlarge: resources: "
+                "{CPU: 96, GPU: 8}, with any custom resource the run asks for)"
+            )
     lowest = sum(_count(spec, "min_workers", where, "") or 0 for spec in types.values())
     if budget is not None and lowest > budget:
         raise InputError(

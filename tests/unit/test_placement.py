@@ -268,6 +268,12 @@ def _types(config):
          r"\(Ray's cluster schema takes no fractions\), got 0.5"),
         (lambda c: (c.pop("max_workers"), _types(c)["learner_gpu"].pop("max_workers")),
          "available_node_types.learner_gpu has no max_workers and the file no global max_workers"),
+        (lambda c: _types(c)["generator_gpu"].pop("resources"),
+         r"available_node_types.generator_gpu gives no resources; Ray fills them in from the "
+         r"instance type only once such a node starts, too late to place the run against this "
+         r"file: give the node's CPUs and GPUs"),
+        (lambda c: _types(c)["learner_gpu"].update(resources={"GPU": 2, "learner": 2}),
+         "available_node_types.learner_gpu has no CPU in its resources; Ray fills them in"),
         (lambda c: (c.update(max_workers=1), _types(c)["generator_gpu"].update(min_workers=2)),
          r"max_workers 1 is below the node types' min_workers together \(2\)"),
     ],
