@@ -10,9 +10,9 @@ Grammar (Python's operator precedence: ``*`` before ``+`` before ``|``)::
 
     estimator  := advantage ("|" weighting)*
     advantage  := rewards "|" normalizer ("|" transform)*
-                | ["-"] [number "*"] "(" advantage ")"
+                | ["-" | "+"] [number "*"] "(" advantage ")"
                   (("+" | "-") [number "*"] "(" advantage ")")* ("|" transform)*
-    rewards    := ["-"] [number "*"] reward (("+" | "-") [number "*"] reward)*
+    rewards    := ["-" | "+"] [number "*"] reward (("+" | "-") [number "*"] reward)*
     part       := name | name "(" setting "=" value, ... ")"
     value      := number | "quoted string" | word (inf, true, false, or a choice: none)
 
@@ -78,6 +78,9 @@ class _Node:
 
     def __neg__(self) -> Any:
         return _scale(self, -1.0)
+
+    def __pos__(self) -> Any:
+        return self
 
     def __or__(self, stage: Any) -> Any:
         return _pipe(self, _coerce(stage))
@@ -234,11 +237,25 @@ def _as_sum(x: Any) -> Any:
     return x
 
 
+_MAX_WEIGHT = float(np.finfo(np.float32).max)
+"""The largest weight in size: advantages are float32, and a larger weight on rewards
+overflows the normalizer's variance into NaN advantages."""
+
+
+def _too_large(coef: float) -> str:
+    return (
+        f"a weight in a composition is at most {_MAX_WEIGHT:.3g} in size (the advantages "
+        f"are float32; a larger one overflows to inf or NaN), got {coef!r}"
+    )
+
+
 def _number(coef: Any) -> float:
     if isinstance(coef, np.generic):  # a numpy scalar weighs as its Python number
         coef = coef.item()
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
         raise CompositionError(f"a weight in a composition is a finite number, got {coef!r}")
+    if abs(coef) > _MAX_WEIGHT:
+        raise CompositionError(_too_large(coef))
     return float(coef)
 
 
@@ -250,7 +267,7 @@ def _scale(x: Any, coef: Any) -> Any:
             f"weights go on rewards or normalized terms, not after the weightings: {x}"
         )
     s = _as_sum(x)
-    return type(s)(tuple((c * w, t) for w, t in s.terms))
+    return type(s)(tuple((_number(c * w), t) for w, t in s.terms))  # 1e38*(1e38*outcome)
 
 
 def _add(a: Any, b: Any, sign: float) -> Any:
@@ -295,6 +312,11 @@ def _pipe(x: Any, stage: Any) -> Any:
             )
         if level == "composition":
             raise CompositionError(f"{stage.part} is a transform: it goes before the weightings")
+        if any(t.part == stage.part for t in x.transforms):
+            raise CompositionError(
+                f"{stage.part} appears twice among the transforms of {x}: the second applies "
+                "it again to what the first gave; give it once"
+            )
         return dataclasses.replace(x, transforms=(*x.transforms, stage))
     # a weighting
     if level == "rewards":
@@ -328,6 +350,11 @@ P = _Parts()
 
 
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.BitOr: "|"}
+_ASCII = {"\u2212": "-", "\u2013": "-", "\u2014": "-", "\u00d7": "*", "\u00b7": "*",
+          "\u2217": "*", "\uff5c": "|", "\u2223": "|", "\uff0b": "+", "\u00a0": " ",
+          "\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u200b": "",
+          "\ufeff": ""}  # fmt: skip
+"""Characters pasted from papers and word processors, and the ASCII the parser reads."""
 _WORDS = {"inf": math.inf, "true": True, "false": False, "True": True, "False": False}
 
 
@@ -342,9 +369,16 @@ def parse(text: str) -> Any:
         at = (
             f"line {err.lineno}, column {err.offset}" if err.lineno != 1 else f"column {err.offset}"
         )
+        if not err.offset:  # Python gives column 0 where the text ends too early
+            last = text.strip()[-1:]
+            at = f"its end (after {last!r})" if last in "+-*|(" else "its end"
+        pasted = [c for c in dict.fromkeys(text) if c in _ASCII]
+        fix = ", ".join(
+            f"write {c!r} (U+{ord(c):04X}) as {_ASCII[c]!r}" if _ASCII[c] else
+            f"remove {c!r} (U+{ord(c):04X})" for c in pasted
+        ) or 'write e.g. "outcome + 0.5*folr | turn_position | contribution"'  # fmt: skip
         raise CompositionError(
-            f"cannot read the composition {shown!r}: {err.msg} at {at}; write "
-            'e.g. "outcome + 0.5*folr | turn_position | contribution"'
+            f"cannot read the composition {shown!r}: {err.msg} at {at}; {fix}"
         ) from None
     except (RecursionError, MemoryError):
         raise CompositionError(
@@ -378,6 +412,7 @@ def _build(node: ast.AST, text: str) -> Any:
             )
         return _use(node.id, {}, text)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        _part(node.func.id, text)  # float('nan') names no part: say so first
         if node.args:
             raise CompositionError(
                 f"in {text!r}: a part's settings are given by name, e.g. folr(alpha=0.5)"
@@ -390,6 +425,8 @@ def _build(node: ast.AST, text: str) -> Any:
         return _use(node.func.id, settings, text)
     if isinstance(node, ast.Constant) and _is_number(node.value):
         return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd):
+        return _build(node.operand, text)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         inner = _build(node.operand, text)
         return -inner if _is_number(inner) else _scale(inner, -1.0)
@@ -404,6 +441,8 @@ def _build(node: ast.AST, text: str) -> Any:
                 raise CompositionError(f"in {text!r}: '*' multiplies a part by one number")
             if not math.isfinite(number):
                 raise CompositionError(f"in {text!r}: a weight is a finite number, got {number!r}")
+            if abs(number) > _MAX_WEIGHT:
+                raise CompositionError(f"in {text!r}: {_too_large(number)}")
             return _scale(other, number)
         if _is_number(left) or _is_number(right):
             raise CompositionError(
@@ -427,21 +466,25 @@ def _setting(node: ast.AST, text: str) -> Any:
         return node.value
     if isinstance(node, ast.Name):  # a bare word: inf, true/false, or a choice
         return _WORDS.get(node.id, node.id)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _setting(node.operand, text)
         if _is_number(value):
-            return -value
+            return -value if isinstance(node.op, ast.USub) else value
     raise CompositionError(
         f"in {text!r}: a setting's value is a number, a word or a quoted string, got "
         f"{ast.unparse(node)!r}"
     )
 
 
-def _use(name: str, settings: dict[str, Any], text: str) -> Use:
+def _part(name: str, text: str) -> None:
     try:
         get_part(name)
     except ValueError as err:
         raise CompositionError(f"in {text!r}: {err}") from None
+
+
+def _use(name: str, settings: dict[str, Any], text: str) -> Use:
+    _part(name, text)
     try:
         return Use(name)(**settings)
     except (TypeError, ValueError) as err:
@@ -724,6 +767,11 @@ def compose(
             f"compose takes a composition's text or parts put together with P, got {shown} "
             f'({type(spec).__name__}); e.g. compose("outcome | group") or '
             "compose(P.outcome | P.group)"
+        )
+    if learner is not None and not isinstance(learner, Mapping):
+        raise CompositionError(
+            f"learner maps learner settings to their values, e.g. {{'kl_coef': 1e-3}}, got "
+            f"{learner!r} ({type(learner).__name__})"
         )
     comp = parse(spec) if isinstance(spec, str) else spec
     if isinstance(comp, Use) and comp.kind != "reward":

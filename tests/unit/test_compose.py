@@ -304,6 +304,12 @@ def test_compositions_with_a_zero_or_negative_term_still_compose():
     ]:
         compose(text)
     assert str(parse("2*0.5*folr | turn_position")) == "folr | turn_position"
+    # a leading '+', as f"{w:+}*outcome" writes it: refused as "not part of a composition"
+    assert parse("+outcome + 0.5*folr(alpha=+0.5) | turn_position") == parse(
+        "outcome + 0.5*folr(alpha=0.5) | turn_position"
+    ) == (+P.outcome + 0.5 * P.folr(alpha=0.5) | P.turn_position)  # fmt: skip
+    # a transform at two levels is two transforms, each given once
+    compose("(outcome | group | discount) + (folr | turn_position) | discount")
     assert str(np.float64(0.5) * P.folr) == "0.5*folr"  # a numpy weight is its number
     # one written over lines, as a YAML block scalar gives it
     assert compose("outcome + 0.5*folr  # TSPO's reward\n  | turn_position\n").name == (
@@ -349,6 +355,38 @@ def test_compositions_with_a_zero_or_negative_term_still_compose():
         ("outcome + | group", "cannot read the composition"),
         ("outcome & group", "is not part of a composition"),
         ("lambda: outcome", "is not part of a composition"),
+        # finite, but the normalizer's variance overflowed: NaN advantages, refused by
+        # the batch only when the first step's advantages were made
+        (
+            "1e308*outcome | group",
+            "in '1e308*outcome | group': a weight in a composition is at most 3.4e+38 in size "
+            "(the advantages are float32; a larger one overflows to inf or NaN), got 1e+308",
+        ),
+        ("1e30*(1e30*outcome) | group", "is at most 3.4e+38 in size (the advantages are"),
+        # a transform given twice applied itself to its own output
+        (
+            "outcome | group | discount | discount",
+            "discount appears twice among the transforms of outcome | group | discount: the "
+            "second applies it again to what the first gave; give it once",
+        ),
+        # said "a part's settings are given by name", as if float were a part
+        (
+            "float('nan')*outcome | group",
+            "in \"float('nan')*outcome | group\": unknown part 'float'",
+        ),
+        # "column 0" for text that ends too early
+        (
+            "outcome | group |",
+            "cannot read the composition 'outcome | group |': invalid syntax at its end (after "
+            "'|'); write e.g.",
+        ),
+        # a minus sign pasted from a paper, a non-breaking space, a zero-width space
+        (
+            "outcome \u2212 0.1*invalid | group_turns",
+            "invalid character '\u2212' (U+2212) at column 9; write '\u2212' (U+2212) as '-'",
+        ),
+        ("outcome\u00a0| group", "write '\\xa0' (U+00A0) as ' '"),
+        ("outcome | group\u200b", "remove '\\u200b' (U+200B)"),
     ],
 )
 def test_weights_that_are_no_number_or_turn_learning_around_are_refused(spec, says):
@@ -363,6 +401,17 @@ def test_python_weights_and_specs_that_are_not_compositions_are_named():
     for weight in (math.nan, math.inf, np.float64("nan"), True):
         with pytest.raises(CompositionError, match="a weight in a composition is a finite number"):
             weight * P.outcome
+    for weigh in (lambda: 1e308 * P.outcome, lambda: 1e30 * (1e30 * P.outcome)):
+        with pytest.raises(CompositionError, match=r"is at most 3.4e\+38 in size"):
+            weigh()
+    with pytest.raises(CompositionError, match="discount appears twice among the transforms"):
+        P.outcome | P.group | P.discount | P.discount
+    with pytest.raises(CompositionError) as err:  # a TypeError from inside before
+        compose("outcome | group", learner=[("kl_coef", 1e-3)])
+    assert str(err.value) == (
+        "learner maps learner settings to their values, e.g. {'kl_coef': 1e-3}, got "
+        "[('kl_coef', 0.001)] (list)"
+    )
     with pytest.raises(CompositionError, match=r"group is a normalizer, and a composition begins"):
         compose(P.group)
     for spec, shown in [(5, "5 (int)"), (None, "None (NoneType)"), (["outcome"], "['outcome'] "
