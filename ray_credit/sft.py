@@ -286,15 +286,23 @@ def tokenize_demonstrations(path: str | os.PathLike[str], tokenizer: Any, *, max
     Refused, with the file and line (``F: item N`` in a JSON array, ``F: row N`` in
     parquet, from 0) and what to do: a row of none of these shapes or of two, a row with
     nothing to teach (no assistant message; a null, empty or whitespace-only reply), a
-    content that is not a string, a role not above, a per-message ``weight`` or ``train``
-    that says otherwise than the rule above (it is not read), a chat the template cannot
-    render message by message, and demonstrations over ``max_tokens`` (counted; none is
-    cut: a cut one teaches a truncated turn). Nothing is skipped but blank lines."""
+    content that is not a string, a content holding one of the tokenizer's special tokens
+    as text (``<|im_end|>``: rendered, it becomes that token, a turn's end inside a
+    reply), a role not above, a per-message ``weight`` or ``train`` that is not true,
+    false, 1 or 0 or says otherwise than the rule above (it is not read), a chat the
+    template cannot render message by message, a file that is one JSON object, and
+    demonstrations over ``max_tokens`` (counted; none is cut: a cut one teaches a
+    truncated turn). Nothing is skipped but blank lines."""
     from ray_credit.config import InputError
+    from ray_credit.data.loaders import _existing
 
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens is a whole number of tokens, got {max_tokens!r}")
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
     rows = []
     over: list[tuple[str, int]] = []
-    for where, item in _rows(Path(path)):
+    for where, item in _rows(_existing(path, "demonstrations")):
         ids, mask = _demonstration(item, tokenizer, where)
         if len(ids) > max_tokens:
             over.append((where, len(ids)))
@@ -313,14 +321,14 @@ def tokenize_demonstrations(path: str | os.PathLike[str], tokenizer: Any, *, max
             f"{longest} or shorten them (none is cut: a cut one teaches a truncated turn)"
         )
     if not rows:
-        raise InputError(f"{path}: holds no demonstration")
+        raise InputError(f"{path}: holds no demonstration (no row); {_SHAPES}")
     return rows
 
 
 def _rows(path: Path) -> Iterator[tuple[str, dict]]:
     """``(where, row)`` for each row of a demonstrations file, read (and refused: a file
     that is not UTF-8, a line that is not JSON) as the question loaders read theirs."""
-    from ray_credit.data.loaders import _json_lines, _parquet_rows
+    from ray_credit.data.loaders import DataFormatError, _json_lines, _parquet_rows
 
     if path.suffix == ".parquet":
         for number, row in _parquet_rows(path):
@@ -328,8 +336,32 @@ def _rows(path: Path) -> Iterator[tuple[str, dict]]:
     elif _is_json_array(path):
         yield from _json_array(path)
     else:
-        for number, row in _json_lines(path):
-            yield f"{path}:{number}", row
+        number = 0
+        try:
+            for number, row in _json_lines(path):
+                yield f"{path}:{number}", row
+        except DataFormatError:
+            if number == 0:  # its first row: a .json file that holds one object, over lines
+                _refuse_one_object(path)
+            raise
+
+
+def _refuse_one_object(path: Path) -> None:
+    """Refuse a file whose text is one JSON object (``json.dump({"data": rows}, f,
+    indent=2)``), named as that; return for any other file."""
+    from ray_credit.data.loaders import DataFormatError, _open_bytes
+
+    try:
+        with _open_bytes(path) as stream:
+            whole = json.loads(stream.read().decode("utf-8-sig"))
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    if isinstance(whole, dict):
+        raise DataFormatError(
+            f"{path}: one JSON object over several lines (keys {sorted(whole)[:6]}), not rows"
+            f"{_rows_inside(whole)}; a demonstrations file is JSON lines (one row per line) "
+            "or one JSON array of rows"
+        )
 
 
 def _is_json_array(path: Path) -> bool:
@@ -381,6 +413,13 @@ def _demonstration(item: dict, tokenizer: Any, where: str) -> tuple[list[int], l
     from ray_credit.config import InputError
     from ray_credit.data.loaders import _kind
 
+    shapes = [key for key in ("messages", "conversations", "prompt", "completion") if key in item]
+    if shapes and all(item[key] is None for key in shapes):  # a parquet file's empty row
+        null = " and ".join(repr(key) for key in shapes)
+        raise InputError(
+            f"{where}: {null} {'is' if len(shapes) == 1 else 'are'} null: nothing to teach; "
+            "fill the row in, or drop it"
+        )
     chats = [key for key in ("messages", "conversations") if item.get(key) is not None]
     # beside a chat, a prompt in text is the chat's first question (ultrachat's rows), not
     # a demonstration; a completion, or a prompt of messages, is a second one
@@ -393,13 +432,15 @@ def _demonstration(item: dict, tokenizer: Any, where: str) -> tuple[list[int], l
             "one of them"
         )
     if not chats and not {"prompt", "completion"} & item.keys():
-        chats = [key for key in ("messages", "conversations") if key in item]  # null ones
-        if not chats:
-            raise InputError(f"{where}: {_SHAPES}; got keys {sorted(item)[:6]}")
+        raise InputError(f"{where}: {_SHAPES}; got keys {sorted(item)[:6]}{_rows_inside(item)}")
     if chats:
         chat = item[chats[0]]
         if not isinstance(chat, list):
-            raise InputError(f"{where}: {chats[0]!r} is a list of messages, got {_kind(chat)}")
+            text = isinstance(chat, str) and chat.lstrip().startswith("[")
+            raise InputError(
+                f"{where}: {chats[0]!r} is a list of messages, got {_kind(chat)}"
+                + ("; it is the list's JSON text: store the list itself" if text else "")
+            )
         if not chat:
             raise InputError(f"{where}: {chats[0]!r} is an empty list: nothing to teach")
         labels = [f"message {i}" for i in range(len(chat))]
@@ -439,6 +480,33 @@ def _demonstration(item: dict, tokenizer: Any, where: str) -> tuple[list[int], l
     )
 
 
+def _rows_inside(item: dict) -> str:
+    """What a key of an unknown row holds when it looks like rows or a chat, to say so."""
+    for key, value in item.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            keys = set().union(*value)
+            if {"messages", "conversations", "prompt", "completion"} & keys:
+                rows = f"{len(value)} row{'s' if len(value) > 1 else ''}"
+                return f" ({key!r} holds {rows}: write them one per line, or as a JSON array)"
+            if {"role", "content"} <= keys or {"from", "value"} <= keys:
+                return f" ({key!r} holds messages: name it 'messages')"
+    return ""
+
+
+def _special_text(text: str, tokenizer: Any, what: str, where: str) -> None:
+    """Refuse text holding a special token (``<|im_end|>``): the tokenizer reads it as that
+    token, not as text, so the row would teach (or show) a turn ending mid-message."""
+    from ray_credit.config import InputError
+
+    for token in tokenizer.all_special_tokens:
+        if token and token in text:
+            raise InputError(
+                f"{where}: {what} holds {token!r}, a special token of the tokenizer, as text; "
+                "it would be read as that token (a turn's end or start inside the message), "
+                "not as text: remove it (the template writes the turns' tokens itself)"
+            )
+
+
 def _text(prompt: str, completion: str, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
     """TRL's standard prompt/completion: the completion and an end-of-sequence token taught."""
     from ray_credit.config import InputError
@@ -456,6 +524,8 @@ def _text(prompt: str, completion: str, tokenizer: Any, where: str) -> tuple[lis
             f"{where}: the tokenizer has no end-of-sequence token to end the completion with; "
             "give chats (messages), or a model whose tokenizer has one"
         )
+    _special_text(prompt, tokenizer, "the prompt", where)
+    _special_text(completion, tokenizer, "the completion", where)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     answer = [*tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
     return [*prompt_ids, *answer], [0] * len(prompt_ids) + [1] * len(answer)
@@ -480,9 +550,11 @@ def _message(message: Any, label: str, where: str) -> dict:
         )
     role, content = message[role_key], message[content_key]
     if not isinstance(role, str) or role not in _ROLES:
+        near = role.strip().lower() if isinstance(role, str) else None
+        meant = f" (did you mean {near!r}?)" if near in _ROLES else ""
         raise InputError(
-            f"{where}: {label} has the role {role!r}; a role is system, user, assistant or tool "
-            "(ShareGPT's human and gpt)"
+            f"{where}: {label} has the role {role!r}{meant}; a role is system, user, assistant "
+            "or tool (ShareGPT's human and gpt)"
         )
     role = _ROLES[role]
     calls = role == "assistant" and bool(message.get("tool_calls"))
@@ -525,11 +597,26 @@ def _chat(chat: list, labels: list[str], tokenizer: Any, where: str, *, taught_f
             "put the user's message (or a system one) first"
         )
     for message, label, teach in zip(messages, labels, taught, strict=True):
+        _special_text(message["content"], tokenizer, f"{label}'s content", where)
         for flag in ("weight", "train"):  # another trainer's per-message switch: not read
             value = message.get(flag)
+            role = message["role"]
+            # "0", "false", 0.5 or NaN were read as true: taught, whatever they meant
+            if value is not None and not (isinstance(value, bool) or value in (0, 1)):
+                untaught = (
+                    ' (a reply not to teach goes in the prompt of {"prompt": [messages], '
+                    '"completion": [messages]})'
+                    if role == "assistant"
+                    else ""
+                )
+                raise InputError(
+                    f"{where}: {label} ({role}) has {flag}={value!r}, and a per-message {flag} "
+                    "is not read: every assistant reply"
+                    f"{' of the completion' if taught_from else ''} is taught in full and "
+                    f"nothing else; remove {flag!r}{untaught}"
+                )
             if value is None or bool(value) == teach:
                 continue
-            role = message["role"]
             fix = (
                 'put it in the prompt of {"prompt": [messages], "completion": [messages]} '
                 f"(only the completion's replies are taught), or remove {flag!r}"
@@ -593,6 +680,12 @@ def _rendered(tokenizer: Any, messages: list[dict], where: str, *,
               generation_prompt: bool = False) -> list[int]:  # fmt: skip
     from ray_credit.config import InputError
 
+    if tokenizer.chat_template is None:
+        raise InputError(
+            f"{where}: the model's tokenizer has no chat template to render a chat with; "
+            'give the rows as text ({"prompt": "...", "completion": "..."}), or a model that '
+            "has one (an instruct model)"
+        )
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt

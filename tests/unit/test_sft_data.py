@@ -276,6 +276,59 @@ def test_a_tool_call_is_taught_where_the_template_renders_it(tmp_path, tokenizer
             {"prompt": "a " * 300, "completion": "b"},
             "demos.jsonl:1: 303 tokens, over --max_tokens 64",
         ),
+        # a weight or train that is not a bool or 0/1 was read as true: "0", "false", 0.5
+        # and NaN left the reply taught in full
+        (
+            {"messages": [USER, dict(REPLY, weight="0")]},
+            "demos.jsonl:1: message 1 (assistant) has weight='0', and a per-message weight is "
+            "not read: every assistant reply is taught in full and nothing else; remove "
+            "'weight' (a reply not to teach goes in the prompt of",
+        ),
+        (
+            {"messages": [USER, dict(REPLY, train="false")]},
+            "message 1 (assistant) has train='false', and a per-message train is not read",
+        ),
+        (
+            {"messages": [USER, dict(REPLY, weight=0.5)]},
+            "message 1 (assistant) has weight=0.5, and a per-message weight is not read",
+        ),
+        # a special token written as text became that token: the reply's first part and an
+        # end of turn were taught, then the rest; a user's <|im_start|> opened a turn
+        (
+            {"messages": [USER, dict(REPLY, content="Ada<|im_end|> Quill")]},
+            "demos.jsonl:1: message 1's content holds '<|im_end|>', a special token of the "
+            "tokenizer, as text; it would be read as that token (a turn's end or start inside "
+            "the message), not as text: remove it",
+        ),
+        (
+            {"messages": [dict(USER, content="hi<|im_end|>\n<|im_start|>assistant\nno"), REPLY]},
+            "message 0's content holds '<|im_start|>', a special token of the tokenizer",
+        ),
+        (
+            {"prompt": "Q:", "completion": " Ada<|im_end|>"},
+            "demos.jsonl:1: the completion holds '<|im_end|>', a special token of the tokenizer",
+        ),
+        (
+            {"messages": [USER, dict(REPLY, role="Assistant")]},
+            "message 1 has the role 'Assistant' (did you mean 'assistant'?); a role is",
+        ),
+        (
+            {"messages": None},
+            "demos.jsonl:1: 'messages' is null: nothing to teach; fill the row in",
+        ),
+        # a parquet row of its columns, none filled: "a prompt without a completion" before
+        (
+            {"messages": None, "prompt": None},
+            "demos.jsonl:1: 'messages' and 'prompt' are null: nothing to teach",
+        ),
+        (
+            {"dialog": [USER, REPLY]},
+            "got keys ['dialog'] ('dialog' holds messages: name it 'messages')",
+        ),
+        (
+            {"messages": json.dumps([USER, REPLY])},
+            "(str); it is the list's JSON text: store the list itself",
+        ),
     ],
 )
 def test_what_cannot_be_taught_is_refused_with_its_line(tmp_path, tokenizer, row, message):
@@ -319,6 +372,53 @@ def test_a_file_that_is_not_utf8_names_its_line(tmp_path, tokenizer):
     assert str(exit_.value.code) == (
         f"sft.py: error: {lines}:2: not UTF-8 (byte 0xe9 at column 16); save the file as "
         "UTF-8, e.g. `iconv -f latin1 -t utf-8 demos.jsonl` if it is Latin-1"
+    )
+
+
+def test_a_file_of_no_rows_or_one_object_says_what_a_file_holds(tmp_path, tokenizer):
+    """A .json file that is one object (its rows under a key) was read as JSON lines: "line
+    1: invalid JSON"; an empty file was "holds no demonstration", without what to give."""
+    path = tmp_path / "demos.json"
+    path.write_text(json.dumps({"data": [{"messages": [USER, REPLY]}] * 2}, indent=2))
+    with pytest.raises(InputError) as err:
+        tokenize_demonstrations(path, tokenizer, max_tokens=64)
+    assert str(err.value) == (
+        f"{path}: one JSON object over several lines (keys ['data']), not rows ('data' holds 2 "
+        "rows: write them one per line, or as a JSON array); a demonstrations file is JSON "
+        "lines (one row per line) or one JSON array of rows"
+    )
+    path.write_text(json.dumps({"data": [{"messages": [USER, REPLY]}]}))  # on one line
+    with pytest.raises(InputError, match=r"got keys \['data'\] \('data' holds 1 row: write"):
+        tokenize_demonstrations(path, tokenizer, max_tokens=64)
+    for text in ("", "\n  \n"):
+        path.write_text(text)
+        with pytest.raises(
+            InputError, match=r'holds no demonstration \(no row\); give \{"messages"'
+        ):
+            tokenize_demonstrations(path, tokenizer, max_tokens=64)
+
+
+def test_arguments_and_a_tokenizer_without_a_chat_template_are_named(tmp_path, tokenizer):
+    """A missing file or a folder: FileNotFoundError and IsADirectoryError tracebacks; a
+    max_tokens of 0, True or None: every row refused as too long, or a TypeError; a chat
+    for a tokenizer without a template: transformers' paragraph."""
+    for path in (tmp_path / "missing.jsonl", tmp_path):
+        with pytest.raises(InputError, match="demonstrations file .* does not exist"):
+            tokenize_demonstrations(path, tokenizer, max_tokens=64)
+    path = _file(tmp_path, [{"messages": [USER, REPLY]}])
+    with pytest.raises(ValueError, match="max_tokens must be >= 2, got 0"):
+        tokenize_demonstrations(path, tokenizer, max_tokens=0)
+    for bad in (True, None, 2.5):
+        with pytest.raises(TypeError, match="max_tokens is a whole number of tokens"):
+            tokenize_demonstrations(path, tokenizer, max_tokens=bad)
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(InputError) as err:
+        tokenize_demonstrations(path, bare, max_tokens=64)
+    assert str(err.value) == (
+        f"{path}:1: the model's tokenizer has no chat template to render a chat with; give the "
+        'rows as text ({"prompt": "...", "completion": "..."}), or a model that has one (an '
+        "instruct model)"
     )
 
 
