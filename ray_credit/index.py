@@ -7,7 +7,7 @@
         --import e5_Flat.index --out /shared/indexes/wiki18-e5-shipped
     python -m ray_credit.index build --help               # every setting
 
-The corpus (.jsonl, .jsonl.gz or .parquet) is converted into the folder as Arrow; the
+The corpus (.jsonl, .jsonl.gz, .parquet or DPR's .tsv) is converted into the folder as Arrow; the
 passages are embedded in shards on disk by a Ray Data pool of --build.workers encoder
 actors (0: this process), resumably; IVF and PQ train on --index.train_sample vectors;
 the index is written with a manifest. --import takes a faiss index built elsewhere on the
@@ -44,7 +44,8 @@ class IndexCommand:
 
     corpus: str = ""
     """The FlashRAG / Search-R1 corpus (.jsonl, .jsonl.gz or .parquet; one {"id",
-    "contents"} per document, contents = title line + text). Required."""
+    "contents"} per document, contents = title line + text), or DPR's .tsv with its header
+    row (id, text, title). Required."""
     out: str = ""
     """The index folder to write (new, empty, or a build of the same settings to resume)."""
     overwrite: bool = False
@@ -70,7 +71,7 @@ def check_inputs(cmd: IndexCommand) -> bool:
     --out holds a whole index of these settings already (nothing to do)."""
     from ray_credit.actors.corpus import count_docs
     from ray_credit.actors.dense_index import check_index_folder
-    from ray_credit.actors.index_build import check_made_by, check_writable
+    from ray_credit.actors.index_build import check_encoder_name, check_made_by, check_writable
 
     if not cmd.corpus or not cmd.out:
         raise InputError("--corpus and --out are required: the corpus file and the index folder")
@@ -82,6 +83,7 @@ def check_inputs(cmd: IndexCommand) -> bool:
         check_made_by(cmd.out, cmd.corpus, cmd.encoder, cmd.index, index_file)
         return True
     check_writable(cmd.out)
+    check_encoder_name(cmd.encoder)
     num_docs = count_docs(cmd.corpus)
     if num_docs == 0:
         raise InputError(f"--corpus {cmd.corpus} holds no document; an index needs at least one")
@@ -119,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         folder = ensure_index(cmd.corpus, cmd.out, encoder=cmd.encoder, index=cmd.index,
                               index_file=cmd.index_file, overwrite=cmd.overwrite,
                               **cmd.build.kwargs())  # fmt: skip
-    except InputError as err:
-        raise SystemExit(f"{_PROG}: error: {err}") from None
+    except (InputError, FileNotFoundError) as err:  # the encoder's load failing: one line too
+        raise SystemExit(f"{_PROG}: error: {' '.join(str(err).split())}") from None
     manifest = read_manifest(folder)
     print(
         f"index of {manifest['num_docs']} passages ({manifest['index']['kind']}, encoder "

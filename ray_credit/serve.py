@@ -39,8 +39,8 @@ class ServeConfig:
 
     corpus: str = ""
     """The FlashRAG / Search-R1 corpus to search (.jsonl, .jsonl.gz or .parquet, one {"id",
-    "contents"} per document, contents = title line + text). Not needed when index_folder
-    holds a whole index: it holds its corpus."""
+    "contents"} per document, contents = title line + text; or DPR's .tsv with its header
+    row). Not needed when index_folder holds a whole index: it holds its corpus."""
     index_folder: str | None = None
     """Where the index is loaded from, or built once (None: the shared index cache,
     $RAY_CREDIT_CACHE/indexes, keyed by the corpus and the encoder and index settings).
@@ -103,6 +103,7 @@ def check_inputs(cfg: ServeConfig) -> None:
     from ray_credit.actors.dense_index import check_index_config, check_whole_folder, read_manifest
     from ray_credit.actors.encoder import encoder_dim
     from ray_credit.actors.index_build import (
+        check_encoder_name,
         check_writable,
         made_by_differences,
         spell_differences,
@@ -145,14 +146,49 @@ def check_inputs(cfg: ServeConfig) -> None:
                 f"({spell_differences(differ)}); serve it with the settings it was built "
                 "with, or give another --index_folder"
             )
+        check_port(cfg.host, cfg.port)
         return
     if folder is not None:
         check_writable(folder)  # the index is built there first
+    check_encoder_name(cfg.encoder)
     if cfg.index_file is None:
         try:
             check_index_config(cfg.index, count_docs(cfg.corpus), encoder_dim(cfg.encoder))
         except InputError as err:
             raise InputError(f"--index.*: {err}") from None
+    check_port(cfg.host, cfg.port)
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port another program listens on: Serve's proxy could not bind it, and a
+    pipeline given the URL would reach that program. A Ray Serve proxy there passes (a
+    Serve already running on this cluster keeps its own port); so does a host that is not
+    this machine's (Serve says so itself)."""
+    import errno
+    import socket
+    import urllib.request
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed one's TIME_WAIT
+        try:
+            sock.bind((host, port))
+            return
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return
+    local = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+    local = f"[{local}]" if ":" in local and not local.startswith("[") else local
+    try:  # Serve's proxy answers /-/routes with its route table
+        with urllib.request.urlopen(f"http://{local}:{port}/-/routes", timeout=2) as reply:
+            if isinstance(json.loads(reply.read()), dict):
+                return
+    except (OSError, ValueError):
+        pass
+    raise InputError(
+        f"--port {port}: {host}:{port} is in use by another program (not a Ray Serve proxy); "
+        "give a free --port, or stop what listens there"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -192,8 +228,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 batch_wait_ms=cfg.batch_wait_ms,
                 limits=cfg.limits,
             )
-        except InputError as err:  # found while building the index: one line too
-            raise SystemExit(f"{_PROG}: error: {err}") from None
+        except (InputError, FileNotFoundError) as err:  # found while building: one line too
+            raise SystemExit(f"{_PROG}: error: {' '.join(str(err).split())}") from None
         info = serve.get_app_handle(cfg.name).info.remote().result()
         where = f"on GPUs {info['index_gpus']}" if info["index_on_gpu"] else (
             "memory-mapped" if info["index_mmapped"] else "in memory")  # fmt: skip

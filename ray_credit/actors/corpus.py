@@ -1,11 +1,11 @@
 """The retriever's corpus: passages in an Arrow file, memory-mapped, read by row.
 
 A FlashRAG / Search-R1 corpus (``.jsonl``, ``.jsonl.gz`` or ``.parquet``; one ``{"id",
-"contents"}`` per document, contents = title line + text) is converted once into an Arrow
-IPC file with two columns, ``id`` and ``contents``, beside a small ``corpus.json`` holding
-its fingerprint, document count and the source file it came from. Every process that opens
-it maps the same file: the pages are shared by all processes of a node, a start takes
-milliseconds, and a hit reads its row from the page cache.
+"contents"}`` per document, contents = title line + text; or DPR's ``.tsv``) is converted
+once into an Arrow IPC file with two columns, ``id`` and ``contents``, beside a small
+``corpus.json`` holding its fingerprint, document count and the source file it came from.
+Every process that opens it maps the same file: the pages are shared by all processes of a
+node, a start takes milliseconds, and a hit reads its row from the page cache.
 
 * :func:`convert_corpus`: source file -> ``corpus.arrow`` + ``corpus.json`` (every format
   check of :func:`ray_credit.data.iter_corpus`, with its file:line messages; duplicate
@@ -19,11 +19,13 @@ milliseconds, and a hit reads its row from the page cache.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -321,7 +323,7 @@ def cached_corpus(source: str | os.PathLike) -> Path:
 def count_docs(source: CorpusSource) -> int:
     """How many documents a corpus holds, as cheaply as it can be told: a converted or
     cached copy's record, a parquet file's metadata, else the non-blank lines of a jsonl
-    file (read in 16 MB blocks, not parsed)."""
+    file (read in 16 MB blocks, not parsed; a tsv file's less its header row)."""
     if isinstance(source, Corpus):
         return len(source)
     if not isinstance(source, (str, os.PathLike)):
@@ -330,9 +332,12 @@ def count_docs(source: CorpusSource) -> int:
     if path.is_dir() or path.name.endswith(".arrow"):
         info = read_info(path if path.is_dir() else path.parent)
         if info is None:
-            raise InputError(f"{path} holds no converted corpus ({CORPUS_INFO} missing)")
+            raise InputError(
+                f"{path} holds no converted corpus ({CORPUS_INFO} missing); give the corpus "
+                "file (.jsonl, .jsonl.gz, .tsv or .parquet), or a folder a build converted it into"
+            )
         return int(info["num_docs"])
-    from ray_credit.data.loaders import _open_bytes
+    from ray_credit.data.loaders import DataFormatError, _gzip_damaged, _is_tsv, _open_bytes
 
     cached = read_info(cache_folder(path))
     if cached is not None:
@@ -340,14 +345,21 @@ def count_docs(source: CorpusSource) -> int:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception as err:  # pyarrow's errors vary by version; one line either way
+            raise DataFormatError(f"{path}: not a readable parquet file ({err})") from None
     count, tail = 0, b""
-    with _open_bytes(path) as stream:
-        while block := stream.read(1 << 24):
-            lines = (tail + block).split(b"\n")
-            tail = lines.pop()  # the line the next block goes on with
-            count += sum(1 for line in lines if line.strip())
-    return count + bool(tail.strip())
+    try:
+        with _open_bytes(path) as stream:
+            while block := stream.read(1 << 24):
+                lines = (tail + block).split(b"\n")
+                tail = lines.pop()  # the line the next block goes on with
+                count += sum(1 for line in lines if line.strip())
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise _gzip_damaged(path, err, f"after {count} lines") from None
+    count += bool(tail.strip())
+    return max(count - 1, 0) if _is_tsv(path) else count
 
 
 class Corpus:

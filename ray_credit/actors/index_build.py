@@ -77,6 +77,7 @@ from ray_credit.progress import progress_bar
 __all__ = [
     "SHARD_DOCS",
     "BuildConfig",
+    "check_encoder_name",
     "check_made_by",
     "check_writable",
     "ensure_index",
@@ -243,6 +244,26 @@ def check_writable(folder: str | os.PathLike) -> None:
         )
     if not os.access(existing, os.W_OK | os.X_OK):  # a read-only mount too, even for root
         _unwritable(folder, f"{existing} is read-only here")
+
+
+def check_encoder_name(encoder: EncoderConfig, flag: str = "--encoder.name") -> None:
+    """Refuse, before any work, an encoder named by a local path that holds no model (no
+    such folder, a file, a folder without ``config.json``): it would fail only when the
+    first shard is embedded. A preset or a Hugging Face id is left to the load."""
+    from ray_credit.actors.encoder import ENCODER_PRESETS, resolve_encoder_path
+
+    path = Path(resolve_encoder_path(encoder.name)).expanduser()
+    local = encoder.name.startswith(("/", ".", "~")) or path.exists()
+    if not local or (path / "config.json").is_file() or (path / "modules.json").is_file():
+        return
+    if not path.exists():
+        why = "no such folder"
+    else:
+        why = "a file, not a model folder" if path.is_file() else "a folder with no config.json"
+    raise InputError(
+        f"{flag} {encoder.name}: {why}; give a sentence-transformers or Hugging Face model "
+        f"folder, a preset ({', '.join(ENCODER_PRESETS)}) or a Hugging Face id"
+    )
 
 
 def _unwritable(folder: Path, why: str) -> NoReturn:
@@ -441,7 +462,9 @@ def _claim(folder: Path, identity: dict[str, Any]) -> None:
     path = folder / _BUILD
     if path.is_file():
         there = read_json(path, rebuild_hint(folder))
-        if there != identity:
+        if there != identity and _made_nothing(folder):  # a build refused before any work
+            _write_json(path, identity)
+        elif there != identity:
             differ = sorted(k for k in identity if there.get(k) != identity[k])
             raise InputError(
                 f"{folder} holds a partial build of other settings (they differ in "
@@ -451,6 +474,14 @@ def _claim(folder: Path, identity: dict[str, Any]) -> None:
         log.info(f"index: resuming the build in {folder}")
     else:
         _write_json(path, identity)
+
+
+def _made_nothing(folder: Path) -> bool:
+    """True when a build in ``folder`` embedded no shard and wrote no index (it was
+    refused, or stopped, before): its claim and its shards' record vouch for nothing, and
+    are replaced (a converted corpus it left is checked on its own)."""
+    shards = (folder / _SHARDS).glob("shard_*.npy")
+    return not (folder / INDEX_FILE).exists() and not any(shards)
 
 
 def _corpus_into(corpus: CorpusSource, folder: Path) -> Corpus:
@@ -601,7 +632,9 @@ def _claim_shards(folder: Path, record: dict[str, Any]) -> None:
     if path.is_file():
         there = read_json(path, rebuild_hint(folder))
         differ = {k: (there.get(k), record[k]) for k in record if there.get(k) != record[k]}
-        if differ:
+        if differ and _made_nothing(folder):
+            _write_json(path, record)
+        elif differ:
             raise InputError(
                 f"{shards} holds embeddings of other settings ({spell_differences(differ)}), "
                 f"left by another build; {rebuild_hint(folder)}"

@@ -2,7 +2,8 @@
 
 * :func:`load_corpus` / :func:`iter_corpus`: a FlashRAG ``.jsonl`` corpus (one
   ``{"id", "contents"}`` object per line, ``contents`` = title line + text; lines with
-  ``title`` and ``text`` instead are accepted), optionally gzipped.
+  ``title`` and ``text`` instead are accepted), optionally gzipped; or a ``.tsv`` with a
+  header row naming ``id``, ``text`` and ``title``, as DPR ships ``psgs_w100.tsv``.
 * :func:`load_qa`: a Search-R1 ``.parquet`` dataset (``question``, ``golden_answers``,
   ``data_source``; optional ``id``, ``supporting_doc_ids``, ``hops``) or a ``.jsonl`` file
   with the same keys. Golds nested as ``reward_model.ground_truth.target`` (Search-R1's
@@ -21,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -49,6 +51,17 @@ class DataFormatError(InputError):
 # ---------------------------------------------------------------------------- corpus
 def _open_bytes(path: Path) -> IO[bytes]:
     return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
+
+
+def _is_tsv(path: Path) -> bool:
+    return path.name.endswith((".tsv", ".tsv.gz"))
+
+
+def _gzip_damaged(path: Path, err: Exception, after: str) -> DataFormatError:
+    return DataFormatError(
+        f"{path}: the gzip data is damaged or cut off {after} ({err}); fetch the file again "
+        f"(`gzip -t {path.name}` tests it)"
+    )
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -88,10 +101,52 @@ def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
                     obj = _json_line(path, number, part)
                     if obj is not None:
                         yield number, obj
-        except (gzip.BadGzipFile, EOFError) as err:
+        except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+            raise _gzip_damaged(path, err, f"after line {number}") from None
+
+
+def _tsv_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, row)`` for each row of a tab-separated corpus whose first line names
+    its columns (DPR's ``psgs_w100.tsv``: ``id``, ``text``, ``title``), read as DPR reads
+    it: csv quoting, ``""`` for a quote inside a quoted field. A file without that header
+    is refused: its column order cannot be told."""
+    import csv
+    import io
+
+    with _open_bytes(path) as raw, io.TextIOWrapper(raw, "utf-8-sig", newline="") as text:
+        reader = csv.reader(text, delimiter="\t")
+        try:
+            names = [name.strip() for name in next(reader, [])]
+            if names and not {"id", "text"} <= set(names):
+                raise DataFormatError(
+                    f"{path}:1: a .tsv corpus needs a header row naming its columns (id, text "
+                    f"and title, as DPR's psgs_w100.tsv starts), and its first row is "
+                    f"{_preview_row(names)}; add a header line such as "
+                    "`id<TAB>text<TAB>title`, in the file's column order"
+                )
+            for row in reader:
+                if not row:
+                    continue
+                if len(row) != len(names):
+                    raise DataFormatError(
+                        f"{path}:{reader.line_num}: {len(row)} tab-separated fields, and the "
+                        f"header names {len(names)} ({names}); a tab in a passage must be "
+                        "inside a quoted field"
+                    )
+                yield reader.line_num, dict(zip(names, row, strict=True))
+        except UnicodeDecodeError as err:
             raise DataFormatError(
-                f"{path}: the gzip data is damaged or cut off after line {number} ({err})"
+                f"{path}: not UTF-8 after line {reader.line_num} (byte "
+                f"{err.object[err.start]:#04x}); save the file as UTF-8"
             ) from None
+        except csv.Error as err:
+            raise DataFormatError(f"{path}:{reader.line_num}: not readable TSV ({err})") from None
+        except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+            raise _gzip_damaged(path, err, f"after line {reader.line_num}") from None
+
+
+def _preview_row(fields: Sequence[str]) -> str:
+    return repr([f if len(f) <= 30 else f[:30] + "..." for f in fields[:3]])
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
@@ -109,6 +164,22 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
             number += 1
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that names one key twice (``json`` keeps the last, without a word)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+"""Every JSON line's decoder: as fast as ``json.loads``, and a repeated key is refused."""
+
+
 def _json_line(path: Path, number: int, raw: bytes) -> dict | None:
     """One line's object, None for a blank line."""
     try:
@@ -124,14 +195,22 @@ def _json_line(path: Path, number: int, raw: bytes) -> dict | None:
     if not line.strip():
         return None
     try:
-        obj = json.loads(line)
+        obj = _DECODER.decode(line)
     except json.JSONDecodeError as err:
         raise DataFormatError(
             f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); each "
             "line must be one JSON object"
         ) from None
+    except _RepeatedKey as err:
+        raise DataFormatError(
+            f"{path}:{number}: the key {err.args[0]!r} appears twice in one object, and JSON "
+            "keeps only the last; keep the one you mean"
+        ) from None
     if not isinstance(obj, dict):
-        raise DataFormatError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
+        raise DataFormatError(
+            f"{path}:{number}: expected a JSON object ({{...}}), got {_kind(obj)}; each line "
+            "of a JSON lines file is one object, one row"
+        )
     return obj
 
 
@@ -177,7 +256,9 @@ def _corpus_doc(obj: Mapping[str, Any], where: str) -> dict:
             f"it from; keys present: {sorted(obj)}"
         )
     if not contents.strip():
-        raise DataFormatError(f"{where} (id {str(doc_id)!r}): empty contents")
+        raise DataFormatError(
+            f"{where} (id {str(doc_id)!r}): empty contents; give the passage text, or drop it"
+        )
     _check_unicode(contents, "'contents'", where)
     return {"id": str(doc_id), "contents": contents}
 
@@ -186,7 +267,8 @@ def iter_corpus(
     path: str | os.PathLike, batch_size: int = 10_000, *, check_duplicates: bool = True
 ) -> Iterator[list[dict]]:
     """Stream a FlashRAG ``.jsonl`` (or ``.jsonl.gz``, or ``.parquet`` with the same
-    columns) corpus in lists of ``batch_size`` docs.
+    columns, or a ``.tsv`` / ``.tsv.gz`` with a header row naming ``id``, ``text`` and
+    ``title``, as DPR ships its passages) corpus in lists of ``batch_size`` docs.
 
     Each document comes out as ``{"id": str, "contents": str}``: int ids become str, a
     line with ``title`` and ``text`` becomes ``contents = title + "\\n" + text``, other keys
@@ -208,7 +290,11 @@ def iter_corpus(
     first_line: dict[str, int] = {}
     batch: list[dict] = []
     parquet = path.suffix == ".parquet"
-    for number, obj in _parquet_rows(path) if parquet else _json_lines(path):
+    if parquet:
+        rows = _parquet_rows(path)
+    else:
+        rows = _tsv_rows(path) if _is_tsv(path) else _json_lines(path)
+    for number, obj in rows:
         doc = _corpus_doc(obj, f"{path}: row {number}" if parquet else f"{path}:{number}")
         if check_duplicates:
             seen = first_line.setdefault(doc["id"], number)

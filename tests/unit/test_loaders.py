@@ -66,7 +66,16 @@ def test_iter_corpus_streams_in_batches(tmp_path):
     ("bad_line", "message"),
     [
         ('{"id": "x", "contents": ', r"c\.jsonl:3: invalid JSON"),
-        ("[1, 2]", r"c\.jsonl:3: expected a JSON object, got list"),
+        (
+            "[1, 2]",
+            r"c\.jsonl:3: expected a JSON object \(\{\.\.\.\}\), got \[1, 2\] \(list\); "
+            "each line of a JSON lines file is one object",
+        ),
+        (
+            '{"id": "x", "contents": "T\\nfirst", "contents": "T\\nsecond"}',
+            r"c\.jsonl:3: the key "
+            "'contents' appears twice in one object, and JSON keeps only the last; keep the one",
+        ),
         ({"contents": "T\ntext"}, r"c\.jsonl:3: missing 'id'"),
         ({"id": 1.5, "contents": "T\ntext"}, r"c\.jsonl:3: 'id' must be a str or int"),
         (
