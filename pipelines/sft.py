@@ -26,9 +26,11 @@ The file is JSON lines (.jsonl, or .jsonl.gz), one JSON array of rows (.json) or
     completion and an end-of-sequence token taught.
 
 A row with nothing to teach (no assistant message; a null, empty or whitespace-only
-reply), a content that is not text, an unknown role, an unknown shape or two shapes in
-one row is refused with its file and line; so are demonstrations over --max_tokens, all
-of them counted (none is cut). Nothing is skipped but blank lines. The loss is the token
+reply), a content that is not text or holds a special token as text (<|im_end|>), an
+unknown role, a per-message weight or train flag that says otherwise than the rule above,
+a key given twice, an unknown shape or two shapes in one row is refused with its file and
+line; so are a file that is one JSON object (its rows under a key) and demonstrations
+over --max_tokens, all of them counted (none is cut). Nothing is skipped but blank lines. The loss is the token
 mean of the taught tokens' cross-entropy; AdamW with linear decay. The fitted policy is a
 model folder (--out) that any pipeline takes as --model.
 """

@@ -378,7 +378,13 @@ def _is_json_array(path: Path) -> bool:
 
 def _json_array(path: Path) -> Iterator[tuple[str, dict]]:
     """The rows of a file that is one JSON array."""
-    from ray_credit.data.loaders import DataFormatError, _json_line, _open_bytes
+    from ray_credit.data.loaders import (
+        _DECODER,
+        DataFormatError,
+        _json_line,
+        _open_bytes,
+        _RepeatedKey,
+    )
 
     try:
         with _open_bytes(path) as stream:
@@ -394,11 +400,16 @@ def _json_array(path: Path) -> Iterator[tuple[str, dict]]:
         _json_line(path, raw.count(b"\n", 0, err.start) + 1, raw[start : None if end < 0 else end])
         raise
     try:
-        items = json.loads(text)
+        items = _DECODER.decode(text)
     except json.JSONDecodeError as err:
         raise DataFormatError(
             f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno}); a file "
             "that begins with '[' is read as one JSON array of rows"
+        ) from None
+    except _RepeatedKey as err:
+        raise DataFormatError(
+            f"{path}: the key {err.args[0]!r} appears twice in one object, and JSON keeps "
+            "only the last; keep the one you mean"
         ) from None
     for number, item in enumerate(items):
         if not isinstance(item, dict):

@@ -375,6 +375,24 @@ def test_a_file_that_is_not_utf8_names_its_line(tmp_path, tokenizer):
     )
 
 
+def test_a_key_given_twice_is_refused_not_read_as_its_last(tmp_path, tokenizer):
+    """JSON keeps the last of two equal keys without a word: the first completion, or the
+    first role of a message, was dropped and the other taught."""
+    row = '{"prompt": "Q:", "completion": " first", "completion": " second"}'
+    reply = (
+        '{"messages": [{"role": "user", "content": "Q"}, '
+        '{"role": "assistant", "role": "user", "content": "A"}]}'
+    )
+    (tmp_path / "demos.jsonl").write_text(f'{{"prompt": "Q:", "completion": " A"}}\n{row}\n')
+    (tmp_path / "demos.json").write_text(f"[{reply}]")
+    for name, says in (("demos.jsonl", "demos.jsonl:2: the key 'completion' appears twice"),
+                       ("demos.json", "demos.json: the key 'role' appears twice")):  # fmt: skip
+        with pytest.raises(InputError) as err:
+            tokenize_demonstrations(tmp_path / name, tokenizer, max_tokens=64)
+        said = f"{tmp_path / says} in one object, and JSON keeps only the last; keep the one"
+        assert str(err.value).startswith(said), str(err.value)
+
+
 def test_a_file_of_no_rows_or_one_object_says_what_a_file_holds(tmp_path, tokenizer):
     """A .json file that is one object (its rows under a key) was read as JSON lines: "line
     1: invalid JSON"; an empty file was "holds no demonstration", without what to give."""
