@@ -495,8 +495,9 @@ def parse_config(
     try:  # the file's settings and the flags together: rules between fields see both
         config = apply_overrides(defaults if defaults is not None else cls(), overrides)
     except (TypeError, ValueError) as err:
-        flag = next((f"--{k}: " for k in args if k in str(err)), "")
-        parser.error(f"{flag}{err}")
+        said = [k for k in args if k in str(err)]  # the setting the message names: 'k=...'
+        named = [k for k in said if f"{k}=" in str(err)] or said
+        parser.error(f"{'--' + named[0] + ': ' if named else ''}{err}")
     try:  # checks across fields and sections, once everything is applied
         check_config(config)
     except ValueError as err:

@@ -480,8 +480,9 @@ def nodes_of_cluster_yaml(path: str) -> list[Node]:
     from ray_credit.config import InputFileNotFoundError, read_yaml_file
 
     if not Path(path).expanduser().is_file():
+        what = "a folder, not a file" if Path(path).expanduser().is_dir() else "no such file"
         raise InputFileNotFoundError(
-            f"resources.cluster_config {path!r}: no such file; give the cluster launcher YAML "
+            f"resources.cluster_config {path!r}: {what}; give the cluster launcher YAML "
             "the cluster runs with (the file given to `ray up`, such as cluster.yaml)"
         )
     where = f"resources.cluster_config {path}"

@@ -229,6 +229,20 @@ def test_value_errors_name_the_flag_and_the_section(argv, message, capsys):
     assert err.startswith("usage: ") and len(err.splitlines()) == 2, err
 
 
+def test_an_error_naming_two_flags_given_is_put_on_the_one_it_is_about(capsys):
+    """name's refusal mentions output_dir ("written to output_dir/name"): with both given,
+    the flag named before the error is --name, whose value it quotes."""
+    from ray_credit.pipeline.configs import RunConfig
+
+    with pytest.raises(SystemExit):
+        parse_config(RunConfig, ["--output_dir", "runs", "--name", "a/b"])
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].endswith(
+        "error: --name: name='a/b' must be a plain folder name (no slashes, not '.' or '..', "
+        "not blank): the run is written to output_dir/name"
+    ), err
+
+
 def test_a_negative_first_value_of_a_list_flag_is_a_value():
     cfg = parse_config(Outer, ["--inner.betas", "-0.1,0.2", "--inner.lr", "0.5"])
     assert cfg.inner.betas == (-0.1, 0.2) and cfg.inner.lr == 0.5

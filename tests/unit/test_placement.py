@@ -300,6 +300,8 @@ def test_a_cluster_yaml_that_is_no_mapping_or_no_yaml_is_named(tmp_path):
             nodes_of_cluster_yaml(path)
     with pytest.raises(InputFileNotFoundError, match="cluster_config 'missing.yaml': no such file"):
         nodes_of_cluster_yaml("missing.yaml")
+    with pytest.raises(InputFileNotFoundError, match=r"cluster_config '.*': a folder, not a file"):
+        nodes_of_cluster_yaml(str(tmp_path))
 
 
 def test_a_cluster_yaml_is_read_as_ray_fills_it_in_and_its_max_workers_holds(tmp_path):
