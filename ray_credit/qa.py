@@ -76,8 +76,10 @@ def _gold_list(golds: str | Iterable[str], *, what: str = "golds") -> list[str]:
         raise ValueError(f"{what} is empty: pass at least one accepted answer")
     for g in out:
         if not isinstance(g, str):
+            number = isinstance(g, (int, float)) and not isinstance(g, bool)
             raise TypeError(
                 f"every gold answer must be a str, got {type(g).__name__} ({g!r}) in {what}"
+                + (f'; write it as text ("{g}", not {g})' if number else "")
             )
     return out
 

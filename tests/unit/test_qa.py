@@ -172,3 +172,8 @@ def test_check_gold_answers():
         check_gold_answers([], where="row 0")
     with pytest.raises(TypeError, match="row 1: every gold answer must be a str"):
         check_gold_answers(["Paris", None], where="row 1")
+    with pytest.raises(TypeError) as info:  # a year in a JSON file, written as a number
+        check_gold_answers([1984], where="q.jsonl:1")
+    assert str(info.value).endswith(
+        'got int (1984) in gold_answers; write it as text ("1984", not 1984)'
+    )
