@@ -48,7 +48,12 @@ from ray_credit.pipeline.evaluation import (
     sampled_title,
 )
 from ray_credit.pipeline.placement import EVALUATION, evaluation_asks, held_in
-from ray_credit.pipeline.preflight import check_cluster_config, check_model
+from ray_credit.pipeline.preflight import (
+    check_cluster_config,
+    check_index_settings,
+    check_model,
+    check_retrieval,
+)
 from ray_credit.pipeline.questions import load_data, load_questions
 from ray_credit.pipeline.services import connect, make_generators, make_retriever
 from ray_credit.signals import SIGNALS  # noqa: E402
@@ -275,6 +280,8 @@ def main(argv=None) -> dict:
         else:  # the held-out questions, or with data.eval_file every question of it
             corpus, _, questions = load_data(cfg.data, seed=cfg.seed)
         check_model("--model", model)
+        check_retrieval(cfg)  # the encoder, the corpus's first document, a server's URL
+        check_index_settings(cfg, corpus)  # and an index folder the settings did not make
         check_cluster_config(cfg)
         asks = evaluation_asks(cfg)
     except InputError as err:

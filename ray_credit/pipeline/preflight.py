@@ -128,7 +128,8 @@ def check_retrieval(cfg: Any) -> None:
 def check_index_settings(cfg: Any, corpus: Any) -> None:
     """Index settings that cannot work for the corpus (nlist above its passage count, a
     PQ m that does not divide the encoder's dimension) and an index file that is not there,
-    refused before Ray starts. A whole index folder given is served with its own settings."""
+    refused before Ray starts; so is a whole index folder given that the run's encoder and
+    index settings did not make."""
     from ray_credit.actors.corpus import count_docs
     from ray_credit.actors.dense_index import check_index_config, read_manifest
     from ray_credit.actors.encoder import encoder_dim
@@ -137,6 +138,10 @@ def check_index_settings(cfg: Any, corpus: Any) -> None:
     retriever = cfg.retriever
     if retriever.url:
         return
+    manifest = read_manifest(retriever.index_folder) if retriever.index_folder else None
+    if manifest is not None:
+        _check_index_folder_made_by(cfg, corpus, manifest)
+        return
     if retriever.index_file is not None:
         if not Path(retriever.index_file).is_file():
             raise InputError(
@@ -144,12 +149,48 @@ def check_index_settings(cfg: Any, corpus: Any) -> None:
                 "file); give the faiss index built on data.corpus (Search-R1's e5_Flat.index)"
             )
         return
-    if retriever.index_folder is not None and read_manifest(retriever.index_folder):
-        return
     try:
         check_index_config(retriever.index, count_docs(corpus), encoder_dim(retriever.encoder))
     except InputError as err:
         raise InputError(f"retriever.index: {err}") from None
+
+
+def _check_index_folder_made_by(cfg: Any, corpus: Any, manifest: dict) -> None:
+    """A whole index folder given to a run is refused, before Ray starts, when the run's
+    encoder or index settings are not those it was built with: queries embedded by another
+    encoder than the passages' search an index of the same width without an error, and
+    retrieve nothing that matters. The corpus is compared here when it is in memory (the
+    synthetic world's); a corpus file, by the retriever as it opens the folder."""
+    import os
+
+    from ray_credit.actors.index_build import made_by_differences, spell_differences
+    from ray_credit.config import InputError
+
+    retriever = cfg.retriever
+    folder = retriever.index_folder
+    index_file = retriever.index_file and os.path.abspath(retriever.index_file)
+    in_memory = None if isinstance(corpus, (str, os.PathLike)) else corpus
+    differ = made_by_differences(folder, manifest, in_memory, retriever.encoder,
+                                 retriever.index, index_file)  # fmt: skip
+    if differ:
+        flags = " ".join(
+            f"--retriever.{key} {_flag_value(there)}" for key, (there, _) in differ.items()
+            if key.startswith(("encoder.", "index."))
+        )  # fmt: skip
+        raise InputError(
+            f"retriever.index_folder {folder} holds an index of other settings "
+            f"({spell_differences(differ)}); run with the settings it was built with"
+            + (f" ({flags})" if flags else "")
+            + ", or give another folder (a new one builds the index there)"
+        )
+
+
+def _flag_value(value: Any) -> str:
+    """A setting's value as a flag takes it: ``null``, ``true``, a word, a quoted text."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    text = str(value)
+    return text if text and text.split() == [text] else repr(text)
 
 
 def check_model(setting: str, model: str, *, names: Sequence[str] | None = None) -> None:

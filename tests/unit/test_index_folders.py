@@ -208,3 +208,39 @@ def test_an_unwritable_out_is_one_line(tmp_path, built, monkeypatch):
     file.write_text("x")
     with pytest.raises(InputError, match="is a file"):
         ensure_index(built["a"], file / "sub")
+
+
+# ------------------------------------------------------------- a run given a folder
+def test_a_run_given_a_folder_its_settings_did_not_make_is_refused_before_ray(built):
+    """The run's encoder embeds the queries and the folder's the passages: with another
+    encoder (of the same width, or another pooling) the search runs and finds nothing that
+    matters. Refused before Ray, saying which flags make the run match the folder."""
+    from dataclasses import replace
+
+    from ray_credit.pipeline.configs import RunConfig
+    from ray_credit.pipeline.preflight import check_index_settings
+
+    cfg = RunConfig()
+    retriever = replace(cfg.retriever, index_folder=str(built["index_a"]))
+    check_index_settings(replace(cfg, retriever=retriever), str(built["a"]))  # as built
+    cases = [
+        ({"encoder": EncoderConfig(name="minilm", pooling="cls")},
+         "encoder.pooling 'auto' there, 'cls' here", "--retriever.encoder.pooling auto"),
+        ({"encoder": EncoderConfig(name="minilm", query_prefix="query: ")},
+         "encoder.query_prefix None there, 'query: ' here",
+         "--retriever.encoder.query_prefix null"),
+        ({"index": IndexConfig(kind="hnsw")}, "index.kind 'flat' there, 'hnsw' here",
+         "--retriever.index.kind flat"),
+    ]  # fmt: skip
+    for change, differs, flag in cases:
+        run = replace(cfg, retriever=replace(retriever, **change))
+        with pytest.raises(InputError) as err:
+            check_index_settings(run, str(built["a"]))
+        said = str(err.value)
+        assert said.startswith(f"retriever.index_folder {built['index_a']} holds an index of "
+                               f"other settings ({differs}"), said  # fmt: skip
+        assert flag in said and said.endswith("or give another folder (a new one builds the "
+                                              "index there)"), said  # fmt: skip
+    # a corpus in memory (the synthetic world's) is compared here too
+    with pytest.raises(InputError, match=r"\(corpus of \d+ docs, fingerprint .* there"):
+        check_index_settings(replace(cfg, retriever=retriever), OTHER_DOCS)

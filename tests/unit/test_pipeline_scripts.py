@@ -438,6 +438,11 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys, monkeypatch):
          "\\(it differs in num_entities\\).*pass --data.world.num_entities 20"),
         (["--resources.cluster_config", str(tmp_path / "missing.yaml")],
          "resources.cluster_config '.*missing.yaml': no such file"),
+        # the retriever's inputs, as a training run's: they failed in its actor, after Ray
+        (["--retriever.encoder.name", str(tmp_path / "no" / "encoder")],
+         "retriever.encoder.name='.*no/encoder': no such folder"),
+        (["--retriever.index.kind", "ivfpq"], "retriever.index: index kind 'ivfpq' with "
+         "nlist=1024, pq_nbits=8 trains on the corpus and needs at least 1024 passages"),
     ]  # fmt: skip
     run = {"data": {"questions": str(tmp_path / "q.jsonl"), "eval_questions": 1,
                     "eval_file": None}, "pipeline": {"seed": 3}}  # fmt: skip
