@@ -568,6 +568,15 @@ def check_resource_use(res: ResourcesConfig, gen: GeneratorConfig, retriever: An
                     f"(no retriever actor starts); drop one of them"
                 )
         return
+    if res.retriever_replicas > res.num_generators:
+        idle = res.retriever_replicas - res.num_generators
+        raise ValueError(
+            f"resources.retriever_replicas={res.retriever_replicas} with "
+            f"resources.num_generators={res.num_generators}: generator i searches replica i "
+            f"mod {res.retriever_replicas}, so {idle} replica(s) would each load the index "
+            "and hold their resources, and never be searched; give --resources."
+            f"retriever_replicas {res.num_generators} or fewer"
+        )
     index = retriever.index
     if res.retriever_gpus > 1 and (index.use_gpu is False or index.kind == "hnsw"):
         hnsw = index.kind == "hnsw"

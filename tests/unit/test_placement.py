@@ -191,6 +191,10 @@ def test_a_question_file_without_a_config_names_the_settings_it_gets(capfd):
          r"gpu_devices='0,3' names device 3, but each retriever actor sees only the 2 GPU\(s\)"),
         ("tspo", ["--resources.retriever_gpus", "3", "--retriever.index.gpu_devices", "1"],
          r"and the encoder \(device 0\) use 2 of the 3 GPUs.*--resources.retriever_gpus 2"),
+        ("tspo", ["--resources.retriever_replicas", "3", "--resources.num_generators", "2"],
+         r"retriever_replicas=3 with resources.num_generators=2: generator i searches replica i "
+         r"mod 3, so 1 replica\(s\) would each load the index .*--resources.retriever_replicas 2 "
+         "or fewer"),
     ],
 )  # fmt: skip
 def test_a_resource_share_no_actor_can_use_is_refused_with_the_flag(method, argv, message, capsys):
