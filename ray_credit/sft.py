@@ -384,6 +384,7 @@ def _json_array(path: Path) -> Iterator[tuple[str, dict]]:
         _json_line,
         _open_bytes,
         _RepeatedKey,
+        repeated_key_error,
     )
 
     try:
@@ -407,10 +408,7 @@ def _json_array(path: Path) -> Iterator[tuple[str, dict]]:
             "that begins with '[' is read as one JSON array of rows"
         ) from None
     except _RepeatedKey as err:
-        raise DataFormatError(
-            f"{path}: the key {err.args[0]!r} appears twice in one object, and JSON keeps "
-            "only the last; keep the one you mean"
-        ) from None
+        raise repeated_key_error(str(path), err) from None
     for number, item in enumerate(items):
         if not isinstance(item, dict):
             raise DataFormatError(

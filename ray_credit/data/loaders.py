@@ -176,6 +176,14 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     return obj
 
 
+def repeated_key_error(where: str, err: _RepeatedKey) -> DataFormatError:
+    """The refusal of an object that names the key ``err`` holds twice, at ``where``."""
+    return DataFormatError(
+        f"{where}: the key {err.args[0]!r} appears twice in one object, and JSON keeps only "
+        "the last; keep the one you mean"
+    )
+
+
 _DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
 """Every JSON line's decoder: as fast as ``json.loads``, and a repeated key is refused."""
 
@@ -202,10 +210,7 @@ def _json_line(path: Path, number: int, raw: bytes) -> dict | None:
             "line must be one JSON object"
         ) from None
     except _RepeatedKey as err:
-        raise DataFormatError(
-            f"{path}:{number}: the key {err.args[0]!r} appears twice in one object, and JSON "
-            "keeps only the last; keep the one you mean"
-        ) from None
+        raise repeated_key_error(f"{path}:{number}", err) from None
     if not isinstance(obj, dict):
         raise DataFormatError(
             f"{path}:{number}: expected a JSON object ({{...}}), got {_kind(obj)}; each line "
