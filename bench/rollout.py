@@ -153,7 +153,7 @@ def generator_vs_raw(generator, questions, *, repeats: int = 3) -> dict:
     if cfg.backend != "vllm" or cfg.max_turns != 1:
         raise ValueError("generator_vs_raw compares one turn of a vLLM generator")
     stop = list(_STYLES[cfg.action_style][0])
-    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=generator.prompt_ids(q["question"]))
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=generator.prompt_ids(q["question"], q.get("prompt")))
                for q in questions for _ in range(cfg.group_size)]  # fmt: skip
     params = [
         vllm.SamplingParams(

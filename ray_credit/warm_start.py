@@ -303,7 +303,10 @@ def demonstrate(
             others = [t for t in pool if t not in needed]
             detour = others[rng.integers(len(others))] if others else None
         took.append(detour is not None)
-        expert.add(generator.prompt_ids(q["question"]), expert_turns(q, titles, gen, detour=detour))
+        expert.add(
+            generator.prompt_ids(q["question"], q.get("prompt")),
+            expert_turns(q, titles, gen, detour=detour),
+        )
     batch = generator.generate(questions, group_size=1)
     # Each turn's weight in the cross-entropy: 1, and 0 on a detour's search, which is
     # shown (its document stays in the context) but not taught (its title is random).

@@ -479,7 +479,7 @@ class Generator:
         rollouts = []
         for i, q in enumerate(questions):
             text, golds = _check_question(q, i)
-            prompt_ids = self.prompt_ids(text)
+            prompt_ids = self.prompt_ids(text, q.get("prompt"))
             qid = str(q.get("id") or _question_id(text))
             group = f"{qid}@{call}.{i}"
             for j in range(size):
@@ -497,11 +497,20 @@ class Generator:
                 )
         return rollouts
 
-    def prompt_ids(self, question: str) -> list[int]:
+    def prompt_ids(
+        self, question: str, messages: Sequence[Mapping[str, str]] | None = None
+    ) -> list[int]:
         """The ids a rollout of ``question`` starts from: the chat template over the
-        prompt template, then ``response_prefix``."""
-        messages = [{"role": "user", "content": self.template.render(normalize_question(question))}]
-        if self.config.system_prompt is not None:
+        prompt template (or over ``messages``, a question file's own prompt, e.g.
+        Search-R1's ``prompt`` column, used as given), then ``response_prefix``.
+        ``system_prompt`` goes first unless the messages bring a system message."""
+        if messages:
+            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        else:
+            messages = [
+                {"role": "user", "content": self.template.render(normalize_question(question))}
+            ]
+        if self.config.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ray_credit.config import InputError, InputFileNotFoundError
+from ray_credit.log import log
 from ray_credit.qa import check_gold_answers
 
 __all__ = ["QA_KEYS", "DataFormatError", "iter_corpus", "load_corpus", "load_qa", "prompt_stream"]
@@ -40,8 +41,12 @@ QA_KEYS = (
     "supporting_doc_ids",
     "hops",
     "reference_plan",
+    "prompt",
 )
 """The keys of every question record the loaders return (``None`` where a file has none)."""
+
+PROMPT_ROLES = ("system", "user", "assistant")
+"""The roles a question file's own ``prompt`` messages may take."""
 
 
 class DataFormatError(InputError):
@@ -421,6 +426,7 @@ def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source
             f"{where}: 'data_source' must be a non-blank str (the dataset name, e.g. 'nq'), "
             f"got {_kind(source)}; leave it out to use the file name {default_source!r}"
         )
+    prompt = _prompt_of(row, where)
     hops = row.get("hops")
     if isinstance(hops, float) and (math.isnan(hops) or hops.is_integer()):
         # a table's integer column with gaps (pandas): 2.0 is 2 and NaN is no count
@@ -438,7 +444,93 @@ def _qa_record(row: Mapping[str, Any], *, index: int, where: str, default_source
         "supporting_doc_ids": doc_ids,
         "hops": hops,
         "reference_plan": plan,
+        "prompt": prompt,
     }
+
+
+def _prompt_of(row: Mapping[str, Any], where: str) -> list[dict] | None:
+    """A row's own ``prompt`` (Search-R1's: chat messages, ``[{"role": "user", "content":
+    ...}]``), checked; None when the row has none."""
+    prompt = row.get("prompt")
+    if prompt is None:
+        return None
+    shape = (
+        "a list of chat messages like [{'role': 'user', 'content': '...'}], as Search-R1's "
+        "files hold; or leave the column out (run with --data.prompts template to render "
+        "the library's template instead)"
+    )
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise DataFormatError(f"{where}: 'prompt' must be {shape}, got {_kind(prompt)}")
+    messages = []
+    for k, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            raise DataFormatError(
+                f"{where}: 'prompt' message {k} must be an object with 'role' and 'content', "
+                f"got {_kind(message)}"
+            )
+        role, content = message.get("role"), message.get("content")
+        if role not in PROMPT_ROLES:
+            raise DataFormatError(
+                f"{where}: 'prompt' message {k} has role {_kind(role)}; give one of "
+                f"{list(PROMPT_ROLES)}"
+            )
+        if not isinstance(content, str) or not content.strip():
+            raise DataFormatError(
+                f"{where}: 'prompt' message {k} ({role}) has content {_kind(content)}; give "
+                "the message's text, a non-blank str"
+            )
+        _check_unicode(content, f"'prompt' message {k}", where)
+        messages.append({"role": role, "content": content})
+    if messages[-1]["role"] != "user":
+        raise DataFormatError(
+            f"{where}: 'prompt' ends with a message of role {messages[-1]['role']!r}; the "
+            "policy answers the last message, which must be the user's"
+        )
+    return messages
+
+
+def _key_mode(
+    sources: Sequence[str], raw_ids: Sequence[Any], labels: Sequence[str], name: str
+) -> tuple[str, str | None]:
+    """How a question file's questions are keyed, and the note that says so (None when
+    the file's own ids are kept).
+
+    A file's ids are kept when they are unique (``"id"``). Files merged from several
+    datasets repeat each source's own ids (Search-R1's NQ + HotpotQA parquet has
+    ``train_0`` once per source): then a question is keyed ``<data_source>/<id>`` when
+    those pairs are unique (``"source/id"``), else by its row (``"row"``:
+    ``row<index>-<hash of the question>``, as for a file without ids)."""
+    first: dict[str, int] = {}
+    repeat = None
+    for i, raw in enumerate(raw_ids):
+        if raw is not None and first.setdefault(str(raw), i) != i:
+            repeat = (str(raw), first[str(raw)], i)
+            break
+    if repeat is None:
+        return "id", None
+    rid, j, i = repeat
+    pairs: dict[tuple[str, str], int] = {}
+    for k, raw in enumerate(raw_ids):
+        if raw is not None and pairs.setdefault((sources[k], str(raw)), k) != k:
+            m = pairs[(sources[k], str(raw))]
+            return "row", (
+                f"note: {name}: id {str(raw)!r} of data source {sources[k]!r} repeats "
+                f"({labels[m]} and {labels[k]}): questions are keyed by their row instead, "
+                "row<index>-<hash of the question> (the same file gives the same keys)"
+            )
+    return "source/id", (
+        f"note: {name}: ids repeat across data sources ({rid!r} at {labels[j]} and "
+        f"{labels[i]}; sources {', '.join(sorted(set(sources)))}): questions are keyed by "
+        f"data source and id, e.g. {sources[i] + '/' + rid!r}"
+    )
+
+
+def _key_question(record: dict, raw_id: Any, index: int, mode: str) -> None:
+    """Set ``record["id"]`` as :func:`_key_mode`'s ``mode`` says (``index``: its row)."""
+    if mode == "row" or raw_id is None:
+        record["id"] = _stable_id(index, record["question"])
+    elif mode == "source/id":
+        record["id"] = f"{record['data_source']}/{raw_id}"
 
 
 def _check_unique_ids(
@@ -517,6 +609,7 @@ def load_qa(path: str | os.PathLike) -> list[dict]:
             _qa_record(obj, index=i, where=wheres[i], default_source=source)
             for i, (_, obj) in enumerate(lines)
         ]
+        rows = [obj for _, obj in lines]
     else:
         raise DataFormatError(
             f"{path}: unsupported question file type {path.suffix!r}; use .parquet or .jsonl "
@@ -528,6 +621,12 @@ def load_qa(path: str | os.PathLike) -> list[dict]:
             f"{path}: no questions in the file ({empty}); a question set needs at least one "
             "row with 'question' and 'golden_answers'"
         )
+    raw_ids = [row.get("id") for row in rows]
+    mode, note = _key_mode([r["data_source"] for r in records], raw_ids, labels, str(path))
+    if note is not None:
+        log.info(note)
+        for i, record in enumerate(records):
+            _key_question(record, raw_ids[i], i, mode)
     _check_unique_ids(records, wheres, labels, {})
     return records
 
@@ -566,20 +665,48 @@ def prompt_stream(
         else:
             dataset = ray.data.read_parquet(str(path))
         _qa_columns(dataset.schema().names, path)
-        if shuffle_seed is not None and "id" not in dataset.schema().names:
+        names = dataset.schema().names
+        if shuffle_seed is not None and "id" not in names:
             raise DataFormatError(
                 f"{path}: no 'id' column, so a shuffled stream cannot give the rows the "
                 "row-index ids load_qa would; add an 'id' column, pass load_qa(path) instead "
                 "of the path, or stream with shuffle_seed=None"
             )
+        mode, note = "id", None
+        if "id" in names:  # how load_qa would key them: the id columns alone, read first
+            keys = dataset.select_columns([c for c in ("id", "data_source") if c in names])
+            keys.context.execution_options.preserve_order = True
+            rows = keys.take_all()
+            mode, note = _key_mode(
+                [r.get("data_source") or source for r in rows],
+                [r["id"] for r in rows],
+                [f"row {i}" for i in range(len(rows))],
+                str(path),
+            )
+        if mode == "row" and shuffle_seed is not None:
+            raise DataFormatError(
+                f"{note[6:]}; such row keys exist only in file order, so a shuffled stream "
+                "cannot give them: pass load_qa(path) instead of the path, or stream with "
+                "shuffle_seed=None"
+            )
     else:
+        rows = list(path_or_records)
         records = [
             _qa_record(row, index=i, where=f"record {i}", default_source="records")
-            for i, row in enumerate(path_or_records)
+            for i, row in enumerate(rows)
         ]
         labels = [f"record {i}" for i in range(len(records))]
+        mode, note = _key_mode(
+            [r["data_source"] for r in records], [r.get("id") for r in rows], labels, "records"
+        )
+        for i, record in enumerate(records):
+            if mode != "id":
+                _key_question(record, rows[i].get("id"), i, mode)
+        mode = "id"  # keyed here, once
         _check_unique_ids(records, labels, labels, {})
         dataset, source, where = ray.data.from_items(records), "records", "record"
+    if note is not None:
+        log.info(note)
     # A per-dataset copy of the context: file order without touching the global setting.
     dataset.context.execution_options.preserve_order = True
     if shuffle_seed is not None:
@@ -593,6 +720,9 @@ def prompt_stream(
             _qa_record(row, index=index + i, where=wheres[i], default_source=source)
             for i, row in enumerate(rows)
         ]
+        if mode != "id":
+            for i, record in enumerate(batch):
+                _key_question(record, rows[i].get("id"), index + i, mode)
         _check_unique_ids(batch, wheres, labels, first)
         yield batch
         index += len(rows)

@@ -65,6 +65,11 @@ class DataConfig:
     """A separate evaluation question file (then nothing is held out of the training set)."""
     world: WorldConfig = field(default_factory=WorldConfig)
     """The synthetic world's settings."""
+    prompts: Literal["file", "template"] = "file"
+    """Each question's prompt: 'file' (a question file's own 'prompt' column, the chat
+    messages Search-R1's parquet files hold, used as given where a question has one;
+    generator.prompt_template renders the others) or 'template' (generator.prompt_template
+    for every question)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

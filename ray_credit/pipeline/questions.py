@@ -26,7 +26,7 @@ def load_data(data: DataConfig, *, seed: int) -> tuple[Any, list[dict], list[dic
     if data.eval_file is not None:
         from ray_credit.data.loaders import load_qa
 
-        return corpus, questions, load_qa(data.eval_file)
+        return corpus, questions, _with_prompts(load_qa(data.eval_file), data, data.eval_file)
     if not 0 < data.eval_questions < len(questions):
         raise InputError(
             f"data.eval_questions={data.eval_questions} must hold out at least one of the "
@@ -60,8 +60,31 @@ def load_questions(data: DataConfig) -> tuple[Any, list[dict]]:
                 f"data.corpus {data.corpus!r} does not exist (or is not a file); give a "
                 "FlashRAG jsonl corpus the driver can read"
             )
-        corpus, questions = data.corpus, load_qa(data.questions)
+        corpus, questions = (
+            data.corpus,
+            _with_prompts(load_qa(data.questions), data, data.questions),
+        )
     return corpus, questions
+
+
+def _with_prompts(questions: list[dict], data: DataConfig, path: str) -> list[dict]:
+    """The questions with the prompt ``data.prompts`` picks: the file's own (and a note
+    that says so), or none (the generator's template renders every one)."""
+    own = sum(q.get("prompt") is not None for q in questions)
+    if not own:
+        return questions
+    if data.prompts == "template":
+        log.info(f"note: {path}: its 'prompt' column is not used (data.prompts=template): "
+                 "generator.prompt_template renders every question")  # fmt: skip
+        return [{**q, "prompt": None} for q in questions]
+    others = len(questions) - own
+    log.info(
+        f"note: {path}: {own} of {len(questions)} questions bring their own prompt (the "
+        "'prompt' column), used as given"
+        + (f"; generator.prompt_template renders the other {others}" if others else "")
+        + "; --data.prompts template renders generator.prompt_template for every question"
+    )
+    return questions
 
 
 def judge_identity(judge: Any) -> str:

@@ -54,3 +54,28 @@ def test_records_and_jsonl_streams(ray_cluster, tmp_path):
     assert _ids(prompt_stream(path, batch_size=2)) == [q["id"] for q in load_qa(path)]
     with pytest.raises(DataFormatError, match=r"qa\.jsonl: no 'id' column, so a shuffled stream"):
         next(prompt_stream(path, batch_size=2, shuffle_seed=1))
+
+
+def test_a_merged_parquet_streams_with_load_qa_s_keys(ray_cluster, tmp_path):
+    """Search-R1's NQ + HotpotQA file repeats each source's ids: streamed, shuffled or
+    not, its questions get load_qa's data-source keys; ids that repeat within a source
+    get row keys, which only an unshuffled stream can give."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"id": f"train_{i}", "question": f"{s} q{i}?", "golden_answers": ["Oslo"], "data_source": s}
+        for s in ("nq", "hotpotqa")
+        for i in range(4)
+    ]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    expected = _ids([load_qa(path)])
+    assert expected[:2] == ["nq/train_0", "nq/train_1"] and expected[4] == "hotpotqa/train_0"
+    assert _ids(prompt_stream(path, batch_size=3)) == expected
+    assert sorted(_ids(prompt_stream(path, batch_size=3, shuffle_seed=2))) == sorted(expected)
+    pq.write_table(pa.Table.from_pylist(rows + rows[:1]), path)
+    expected = _ids([load_qa(path)])
+    assert expected[0].startswith("row0-") and _ids(prompt_stream(path, batch_size=3)) == expected
+    with pytest.raises(DataFormatError, match=r"repeats \(row 0 and row 8\).*shuffled stream"):
+        next(prompt_stream(path, batch_size=3, shuffle_seed=1))

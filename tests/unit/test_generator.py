@@ -377,3 +377,29 @@ def test_a_named_actor_travels_by_name_and_its_handle_stays():
     sent = pickle.loads(pickle.dumps(local))
     assert sent.name == "retriever-abc" and sent.handle is None
     assert repr(sent) == "NamedActor('retriever-abc')"
+
+
+def test_a_question_s_own_prompt_is_the_prompt_used_as_given(tiny):
+    """A question file's ``prompt`` (Search-R1's chat messages) replaces the template; the
+    system prompt goes first only where the messages bring none."""
+    tokenizer = tiny[1]
+    own = [{"role": "user", "content": "Answer the given question. Question: who? \n"}]
+    question = {**QUESTIONS[1], "prompt": own}
+    gen = scripted_generator(tiny, [["<answer> Ada Quill </answer>"]], system_prompt="Be brief.")
+    gen.generate([question])
+    expected = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, *own],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert gen.sampler.contexts[0][0] == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    with_system = [{"role": "system", "content": "Search first."}, *own]
+    assert (
+        gen.prompt_ids("who?", with_system)
+        == tokenizer(
+            tokenizer.apply_chat_template(with_system, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+    )
+    template = gen.prompt_ids(QUESTIONS[1]["question"])  # no messages: the template's
+    assert "Question:" in tokenizer.decode(template) and template != gen.sampler.contexts[0][0]

@@ -33,8 +33,9 @@ def test_world_round_trips_through_files(tmp_path):
     assert sorted(paths) == ["corpus", "test", "train"]
     assert load_corpus(paths["corpus"]) == world.corpus
     train, test = world.split()
-    assert load_qa(paths["train"]) == train and load_qa(paths["test"]) == test
-    assert pq.read_schema(paths["train"]).names == list(QA_KEYS)
+    assert load_qa(paths["train"]) == [{**q, "prompt": None} for q in train]
+    assert load_qa(paths["test"]) == [{**q, "prompt": None} for q in test]
+    assert pq.read_schema(paths["train"]).names == [k for k in QA_KEYS if k != "prompt"]
 
 
 def test_corpus_accepts_title_text_int_ids_blank_lines_and_gzip(tmp_path):
@@ -196,6 +197,7 @@ def test_golden_answers_column_wins_and_source_defaults_to_file_stem(tmp_path):
         "supporting_doc_ids": None,
         "hops": None,
         "reference_plan": None,
+        "prompt": None,
     }
 
 
@@ -308,19 +310,88 @@ def test_hop_counts_written_by_pandas_with_gaps_are_counts(tmp_path):
     assert [q["hops"] for q in load_qa(path)] == [2, None, None]
 
 
-def test_qa_duplicate_ids_name_both_rows(tmp_path):
+def _search_r1_row(source, i, question, answers):
+    """A row as Search-R1's qa_search_train_merge.py writes it: FlashRAG's columns (its
+    per-source ``id``), and verl's (prompt, ability, reward_model, extra_info)."""
+    return {
+        "id": f"train_{i}",
+        "question": question,
+        "golden_answers": answers,
+        "data_source": source,
+        "prompt": [
+            {"role": "user", "content": f"Answer the given question. Question: {question}\n"}
+        ],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": answers}},
+        "extra_info": {"split": "train", "index": i},
+    }
+
+
+def test_a_merged_search_r1_parquet_is_keyed_by_source_and_id_said_once(tmp_path, caplog):
+    rows = [_search_r1_row("nq", i, f"nq question {i}?", ["Oslo"]) for i in range(3)]
+    rows += [_search_r1_row("hotpotqa", i, f"hotpot question {i}?", ["Bergen"]) for i in range(2)]
+    path = _parquet(tmp_path / "train.parquet", rows)
+    with caplog.at_level("INFO", logger="ray_credit"):
+        records = load_qa(path)
+    assert [r["id"] for r in records] == [
+        "nq/train_0", "nq/train_1", "nq/train_2", "hotpotqa/train_0", "hotpotqa/train_1"
+    ]  # fmt: skip
+    notes = [r.message for r in caplog.records if "keyed" in r.message]
+    assert len(notes) == 1
+    assert "ids repeat across data sources ('train_0' at row 0 and row 3" in notes[0]
+    assert "keyed by data source and id, e.g. 'hotpotqa/train_0'" in notes[0]
+    assert records[3]["prompt"] == [
+        {"role": "user", "content": "Answer the given question. Question: hotpot question 0?\n"}
+    ]
+    assert records[3]["golden_answers"] == ["Bergen"] and set(records[0]) == set(QA_KEYS)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ray_credit"):  # unique ids: kept, nothing said
+        assert [r["id"] for r in load_qa(_parquet(tmp_path / "nq.parquet", rows[:3]))] == [
+            "train_0", "train_1", "train_2"
+        ]  # fmt: skip
+    assert not [r for r in caplog.records if "keyed" in r.message]
+
+
+def test_ids_repeating_within_a_source_key_questions_by_row(tmp_path, caplog):
     rows = [{"id": i, "question": f"q{i}?", "golden_answers": ["Oslo"]} for i in ("a", "b", "a")]
-    with pytest.raises(
-        DataFormatError, match=r"set\.jsonl:3: duplicate id 'a' \(first at line 1\); question ids"
-    ):
-        load_qa(_jsonl(tmp_path / "set.jsonl", rows))
-    with pytest.raises(
-        DataFormatError, match=r"set\.parquet, row 2: duplicate id 'a' \(first at row 0\)"
-    ):
-        load_qa(_parquet(tmp_path / "set.parquet", rows))
+    for path in (_jsonl(tmp_path / "set.jsonl", rows), _parquet(tmp_path / "set.parquet", rows)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="ray_credit"):
+            records = load_qa(path)
+        ids = [r["id"] for r in records]
+        assert [i.split("-")[0] for i in ids] == ["row0", "row1", "row2"]
+        (note,) = [r.message for r in caplog.records if "keyed" in r.message]
+        assert ids == [r["id"] for r in load_qa(path)]  # stable
+        first, second = ("line 1", "line 3") if path.suffix == ".jsonl" else ("row 0", "row 2")
+        assert f"id 'a' of data source 'set' repeats ({first} and {second})" in note
     rows = [{"id": 1, "question": "q?", "golden_answers": ["Oslo"]}, {**rows[0], "id": "1"}]
-    with pytest.raises(DataFormatError, match=r"set\.jsonl:2: duplicate id '1'"):
-        load_qa(_jsonl(tmp_path / "set.jsonl", rows))
+    assert [r["id"][:5] for r in load_qa(_jsonl(tmp_path / "set.jsonl", rows))] == [
+        "row0-", "row1-"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("Answer: q?", r"'prompt' must be a list of chat messages like"),
+        ([], r"'prompt' must be a list of chat messages"),
+        (["q?"], r"'prompt' message 0 must be an object with 'role' and 'content'"),
+        ([{"role": "human", "content": "q?"}], r"'prompt' message 0 has role 'human'"),
+        ([{"role": "user", "content": " "}], r"'prompt' message 0 \(user\) has content ' '"),
+        ([{"role": "user"}], r"'prompt' message 0 \(user\) has content None"),
+        (
+            [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "a"}],
+            r"'prompt' ends with a message of role 'assistant'; the policy answers the last",
+        ),
+    ],
+)
+def test_a_malformed_prompt_column_is_refused_with_its_line(tmp_path, prompt, message):
+    rows = [
+        {"question": "q?", "golden_answers": ["Oslo"]},
+        {"question": "r?", "golden_answers": ["Bergen"], "prompt": prompt},
+    ]
+    with pytest.raises(DataFormatError, match=r"p\.jsonl:2: " + message):
+        load_qa(_jsonl(tmp_path / "p.jsonl", rows))
 
 
 def test_a_question_set_without_questions_says_so(tmp_path):
