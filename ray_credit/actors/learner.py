@@ -98,12 +98,14 @@ class LearnerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    """Training steps (updates: one call of ``train``, each of ``epochs x mini_batches``
+    optimizer steps at one learning rate, as verl schedules it) of linear warm-up from 0
+    to ``lr``."""
     lr_schedule: LRSchedule = "constant"
     """After warm-up: ``"constant"``, or ``"linear"`` / ``"cosine"`` decay to
     ``min_lr_ratio * lr`` at ``total_steps`` (which these two need)."""
     total_steps: int | None = None
-    """Optimizer steps of the whole run (decaying schedules only)."""
+    """Training steps of the whole run (decaying schedules only)."""
     min_lr_ratio: float = 0.0
     """Floor of the decaying schedules, as a fraction of ``lr``."""
     max_grad_norm: float | None = 1.0
@@ -212,7 +214,7 @@ class LearnerConfig:
             raise ValueError(f"is_cap must be a finite number > 1 (e.g. 2.0), got {self.is_cap}")
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (0-based)."""
+        """The learning rate of training step ``step`` (0-based)."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / (self.warmup_steps + 1)
         if self.lr_schedule == "constant":
@@ -462,6 +464,8 @@ class Learner:
         mini-batches it is cut into)."""
         metrics = {f"learner/{k}": v for k, v in means.items()}
         metrics.update(self._memory_metrics())
+        lr = float(self.scheduler.get_last_lr()[0])  # this update's, for all its steps
+        self.scheduler.step()  # the schedule counts training steps, as verl's does
         self.policy_version += 1
         self.counters["learner/batches"] += 1
         seconds = time.perf_counter() - start
@@ -470,7 +474,7 @@ class Learner:
             {
                 "learner/policy_version": float(self.policy_version),
                 "learner/optimizer_steps": float(self.optimizer_steps),
-                "learner/lr": float(self.scheduler.get_last_lr()[0]),
+                "learner/lr": lr,
                 "learner/trajectories": float(n),
                 "learner/tokens": tokens,
                 "learner/seconds": seconds,
@@ -606,7 +610,6 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             return norm
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer_steps += 1
         return norm
 

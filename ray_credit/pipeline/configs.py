@@ -447,6 +447,11 @@ class RunConfig:
     log_level: LogLevel = "info"
     """What the run prints: 'info' (each stage and step), 'warning' (problems only),
     'error', or 'debug' (also the libraries' own logs: vLLM, transformers, warnings)."""
+    reproduces: str | None = None
+    """A published setup this config reproduces ('search-r1': Search-R1's NQ + HotpotQA
+    run as TSPO trains it): before Ray starts the run prints every setting where it
+    departs from that setup, with the setup's value and its source
+    (ray_credit.pipeline.published). None: no such comparison."""
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
@@ -472,6 +477,14 @@ class RunConfig:
             )
         if not self.model:
             raise ValueError("model must name a model: an embedded name, an HF id or a folder")
+        if self.reproduces is not None:
+            from ray_credit.pipeline.published import SETUPS
+
+            if self.reproduces not in SETUPS:
+                raise ValueError(
+                    f"reproduces={self.reproduces!r} names no published setup; give one of "
+                    f"{sorted(SETUPS)}, or leave it out"
+                )
         if self.storage_path is not None and not self.storage_path.strip():
             raise ValueError(
                 "storage_path must be a path or a URI such as s3://bucket/runs (None: output_dir)"

@@ -41,6 +41,7 @@ from ray_credit.pipeline.preflight import (
     checked_demonstrations,
     preflight,
 )
+from ray_credit.pipeline.published import setup_departures
 from ray_credit.pipeline.questions import judge_identity, load_data, with_reference_plans
 from ray_credit.pipeline.runner import Pipeline
 from ray_credit.pipeline.services import (
@@ -91,6 +92,10 @@ def train(
     plan = make_plan(cfg, estimator, rl_q, stages=stages, stages_after=stages_after)
     for departure in plan.departures:
         log.info(f"note: departs from {plan.estimator.name}'s recipe: {departure}")
+    setup = [f"{cfg.reproduces}: {line}" for line in setup_departures(cfg)]
+    for departure in setup:
+        log.info(f"note: departs from {departure}")
+    plan = replace(plan, departures=(*plan.departures, *setup))  # kept in the summary
     preflight(cfg, rl_q)
     report_memory(cfg, plan.services)  # per GPU, estimated; a warning where it will not fit
     if cfg.resume is not None:  # the newest whole checkpoint in the folder given

@@ -556,3 +556,14 @@ def _learner_log():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def test_the_warm_up_counts_training_steps_not_optimizer_steps(batch):
+    """Two mini-batches a step: both take the step's learning rate, and the schedule moves
+    once per update (verl's lr_warmup_steps_ratio is of training steps)."""
+    config = LearnerConfig(lr=1e-3, warmup_steps=3, mini_batches=2)
+    learner = _learner(config)
+    rates = [learner.train(batch)["learner/lr"] for _ in range(4)]
+    assert rates == pytest.approx([config.lr_at(s) for s in range(4)])
+    assert rates == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert learner.optimizer_steps == 8

@@ -51,7 +51,7 @@ def _gpus(placement, name: str) -> list[tuple[int, float]]:
 def test_search_r1_yaml_fills_one_8_gpu_node_and_evaluates_on_the_training_generators():
     cfg = _config("tspo", "TSPORun", "--config", str(CONFIGS / "search_r1.yaml"))
     assert cfg.model == "Qwen/Qwen2.5-3B-Instruct" and cfg.retriever.encoder.name == "e5-base-v2"
-    assert (cfg.generator.group_size, cfg.generator.topk, cfg.generator.max_turns) == (5, 3, 3)
+    assert (cfg.generator.group_size, cfg.generator.topk, cfg.generator.max_turns) == (5, 3, 5)
     assert not cfg.warm_start.enabled and cfg.pipeline.stratify_by is None
     assert cfg.learner.lr == 1e-6 and cfg.learner.kl_coef == 1e-3
     placement = _placed(cfg, "tspo", EIGHT_GPUS)
