@@ -7,6 +7,7 @@ the tokens the policy generated (tool observations and padding are 0).
 Semantics follow verl's ``core_algos.py`` (``compute_policy_loss_vanilla``, ``agg_loss``,
 ``kl_penalty``) and, for the turn-level ratio with adaptive clipping, A2TGPO's
 ``compute_policy_loss_gspo_turn``; the unit tests check hand-computed vectors of each.
+The equations, with worked examples: docs/algorithms.md, section 9.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Paper: "A2TGPO: Agentic Turn-Group Policy Optimization with Adaptive Turn-level Clipping",
 arXiv 2605.06200, Section 4, Eq. (6)-(11). Numbers checked against a copy of the authors'
-code (``compute_igpo_step_advantage``, mode ``turn-group-v1d``).
+code (``compute_igpo_step_advantage``, mode ``turn-group-v1d``). The math, conventions and
+a worked example: docs/algorithms.md, section 7.
 
 An IG turn is a non-final turn with a non-null ``turn_info_gain`` (IGPO's Eq. (3)). For
 prompt group ``q``, IG turn ``k`` of trajectory ``i`` (its ``k``-th IG turn, ``n_i`` of them)::
@@ -43,8 +44,8 @@ runs of equal advantage.
 Here turns come from the batch and the scorer decides what an IG means. The non-v1d
 ``turn-group`` mode (IG rescaled by a batch-level std ratio, discounted from the outcome,
 then normalized per turn, plus ``1.5 * O_i``, no variance rescaling, no clip scale) is not
-implemented: it is neither the paper's method nor the released script's setting, and no
-test vector pins it down.
+implemented: it is neither the paper's method nor the released script's setting, and
+there are no reference numbers to check an implementation against.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ Grammar (Python's operator precedence: ``*`` before ``+`` before ``|``)::
     part       := name | name "(" setting "=" value, ... ")"
     value      := number | "quoted string" | word (inf, true, false, or a choice: none)
 
+docs/algorithms.md, section 10, writes out the math of each part and of the sums.
+
 Rewards add up before they are normalized; normalized terms add up after (A²TGPO:
 ``0.3*(info_gain | turn_position(padding="none") | rescaled_sum) + (outcome | group)``).
 Text is parsed with :mod:`ast` into this grammar only (names, numbers, strings and the

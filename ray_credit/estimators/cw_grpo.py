@@ -3,8 +3,9 @@
 Paper: "Enhancing LLM-based Search Agents via Contribution Weighted Group Relative Policy
 Optimization", arXiv 2604.14267 (ACL 2026), Key Designs 1-3; official code
 ``zsxmwjz/CW-GRPO`` @ 11508ad (``compute_cw_grpo_advantage`` and the contribution block of
-``ray_trainer.compute_advantage``). The paper text we have
-carries no equation numbers, so comments cite the Key Design.
+``ray_trainer.compute_advantage``). Comments cite the paper by Key Design rather than by
+equation number. The math, the official code's quirks and a worked example:
+docs/algorithms.md, section 4.
 
 A turn is a CW-GRPO "round". Trajectory ``i`` has ``T_i`` turns; its final turn is the
 "last round" (an answer, or a search cut off at the turn limit) and ``R_i = T_i - 1``::

@@ -2,7 +2,8 @@
 
 Paper: "Group-in-Group Policy Optimization for LLM Agent Training" (Feng et al., 2025,
 arXiv 2505.10978), Eq. (5) step returns and the two-level advantage; numbers and quirks
-follow the official verl-agent code (``core_gigpo.py``).
+follow the official verl-agent code (``core_gigpo.py``). The math and a worked example:
+docs/algorithms.md, section 8.
 
 Each turn is one GiGPO environment step. The anchor state of turn ``k`` is what the
 policy saw before acting: the ``question`` for ``k = 0``, the observation of turn ``k-1``

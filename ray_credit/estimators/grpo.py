@@ -12,6 +12,9 @@ RLOO (Ahmadian et al., 2024; verl ``compute_rloo_outcome_advantage``)::
 Degenerate cases: an all-equal group gives A = 0 (std is exactly 0, eps guards it). A
 singleton group follows ``singleton_policy``: ``"zero_mean_unit_std"`` (verl: A = r/(1+eps)
 for GRPO, A = r for RLOO, **not centered**) or ``"center"`` (A = 0).
+
+The shared conventions (std, eps, singleton groups) and worked examples:
+docs/algorithms.md, sections 1 and 2.
 """
 
 from __future__ import annotations

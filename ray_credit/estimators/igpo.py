@@ -3,7 +3,8 @@
 Paper: "Information Gain-based Policy Optimization" (IGPO), arXiv 2510.14967 (ICLR 2026).
 The equations are numbered as restated in the A2TGPO paper (arXiv 2605.06200, Section 3,
 Eq. (2)-(5)); the numbers come from the authors' updated code (upstream commit 745078b,
-CHANGELOG_20260201).
+CHANGELOG_20260201). The math, the official code's boundary rule and a worked example:
+docs/algorithms.md, section 6.
 
 ``m_t`` is the mean log-probability of the gold answer's tokens given the context after
 turn ``t`` (``t = 0``: the prompt alone). A non-final turn ``k`` of trajectory ``i`` gets

@@ -20,7 +20,8 @@ An advantage is built in four steps, each a kind of part:
 Each part declares the columns it reads, the signals that write them (with their
 settings) and the learner settings it needs. :mod:`ray_credit.estimators.compose` puts
 parts together (``folr + 0.3*info_gain | turn_position(padding="none") | contribution``)
-and checks that a composition can work before anything runs.
+and checks that a composition can work before anything runs. docs/algorithms.md, section
+10, writes out what each part computes and how sums of parts combine.
 
 Every function here takes the batch and returns numpy arrays over flat turns (float64);
 nothing loops over groups in Python. This module imports only numpy and pyarrow.

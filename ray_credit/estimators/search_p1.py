@@ -2,7 +2,8 @@
 
 Paper: "Search-P1: Path-Centric Reward Shaping for Stable and Efficient Agentic RAG
 Training", arXiv 2602.22576v1, Section 3, Eq. (4), (6)-(8) and Algorithm 3; no official
-code exists. The evaluator (an LLM) fills the ``sp1_*`` columns.
+code exists. The evaluator (an LLM) fills the ``sp1_*`` columns. The math and a worked
+example: docs/algorithms.md, section 5.
 
 ``variant="equations"`` (default)::
 

@@ -2,7 +2,8 @@
 
 Paper: "TSPO: Breaking the Double Homogenization Dilemma in Multi-turn Search Policy
 Optimization", arXiv 2601.22776 (ACL Findings 2026), Section 3.2, Eq. (6)-(7),
-Discussion 1-2 and Algorithm 1 (Appendix D.4).
+Discussion 1-2 and Algorithm 1 (Appendix D.4). The math and a worked example:
+docs/algorithms.md, section 3.
 
 For trajectory ``i`` with turns ``k = 1..K_i``, outcome ``r_i^out`` and ``t*_i`` the first
 turn whose observation contains a gold answer (``turn_contains_gold``)::
