@@ -75,6 +75,10 @@ def check_inputs(cmd: IndexCommand) -> bool:
 
     if not cmd.corpus or not cmd.out:
         raise InputError("--corpus and --out are required: the corpus file and the index folder")
+    if cmd.index_file is not None:
+        from ray_credit.pipeline.preflight import check_index_part
+
+        check_index_part("--import", cmd.index_file)
     if cmd.index_file is not None and not Path(cmd.index_file).is_file():
         raise InputError(f"--import {cmd.index_file}: no such file")
     check_index_folder(cmd.out)

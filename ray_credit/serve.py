@@ -111,6 +111,10 @@ def check_inputs(cfg: ServeConfig) -> None:
     from ray_credit.data.loaders import iter_corpus
 
     folder = cfg.index_folder
+    if cfg.index_file is not None:
+        from ray_credit.pipeline.preflight import check_index_part
+
+        check_index_part("--index_file", cfg.index_file)
     if cfg.index_file is not None and not os.path.isfile(cfg.index_file):
         raise InputError(f"--index_file {cfg.index_file}: no such file")
     if folder is not None:

@@ -143,16 +143,80 @@ def check_index_settings(cfg: Any, corpus: Any) -> None:
         _check_index_folder_made_by(cfg, corpus, manifest)
         return
     if retriever.index_file is not None:
+        check_index_part("retriever.index_file", retriever.index_file)
         if not Path(retriever.index_file).is_file():
             raise InputError(
                 f"retriever.index_file {retriever.index_file!r} does not exist (or is not a "
                 "file); give the faiss index built on data.corpus (Search-R1's e5_Flat.index)"
             )
         return
+    docs = count_docs(corpus)
     try:
-        check_index_config(retriever.index, count_docs(corpus), encoder_dim(retriever.encoder))
+        check_index_config(retriever.index, docs, encoder_dim(retriever.encoder))
     except InputError as err:
         raise InputError(f"retriever.index: {err}") from None
+    _check_build_in_run(cfg, corpus, docs)
+
+
+BUILD_IN_RUN_DOCS = 1_000_000
+"""Above this many passages, a run does not embed its corpus itself on CPUs."""
+CPU_EMBED_RATE = 28.0
+"""Passages a second one process embedded on 2 CPU cores (MiniLM, 256 tokens), measured."""
+
+
+def _check_build_in_run(cfg: Any, corpus: Any, docs: int) -> None:
+    """A corpus above :data:`BUILD_IN_RUN_DOCS` passages with no index for it is refused,
+    before Ray starts, unless the run's build has GPU workers: the retriever would embed
+    every passage on CPUs before training starts, for days, with nothing said."""
+    import os
+
+    from ray_credit.actors.dense_index import read_manifest
+    from ray_credit.actors.retriever import index_cache_folder
+    from ray_credit.config import InputError
+
+    retriever = cfg.retriever
+    build = retriever.build
+    if docs <= BUILD_IN_RUN_DOCS or (build.workers > 0 and build.worker_gpus > 0):
+        return
+    folder = retriever.index_folder or index_cache_folder(
+        corpus, retriever.encoder, retriever.index
+    )
+    if read_manifest(folder) is not None:
+        return
+    days = docs / CPU_EMBED_RATE / 86_400
+    name = retriever.encoder.name
+    where = os.fspath(corpus) if isinstance(corpus, (str, os.PathLike)) else "the corpus"
+    raise InputError(
+        f"data.corpus {where} holds {docs:,} passages and no index of them was found "
+        f"(in {folder}): the run would embed every passage on CPUs before training starts, "
+        f"about {days:.1f} days at the {CPU_EMBED_RATE:.0f} passages/s one process embedded "
+        f"on 2 cores with MiniLM ({name} may be slower). Either give an index built "
+        f"elsewhere on this corpus (Search-R1's: cat part_aa part_ab > e5_Flat.index, then "
+        f"--retriever.index_file e5_Flat.index), or build one once on GPU workers: python "
+        f"-m ray_credit.index build --corpus {where} --encoder.name {name} --index.kind "
+        f"{retriever.index.kind} --out FOLDER --build.workers 8 --build.worker_gpus 1, then "
+        "--retriever.index_folder FOLDER (or give this run --retriever.build.workers N "
+        "--retriever.build.worker_gpus 1 to build it on GPUs first)"
+    )
+
+
+def check_index_part(flag: str, index_file: str) -> None:
+    """Refuse one part of a faiss index split for download (Search-R1 ships ``part_aa``
+    and ``part_ab``), naming the command that joins them."""
+    import re
+
+    from ray_credit.config import InputError
+
+    path = Path(index_file)
+    if re.fullmatch(r"part_[a-z]{2}", path.name):
+        parts = sorted(p.name for p in path.parent.glob("part_??"))
+        joined = path.parent / "e5_Flat.index"
+        raise InputError(
+            f"{flag} {index_file} is one part of a faiss index split for download "
+            f"({', '.join(parts) or path.name} in {path.parent}); join the parts into one "
+            f"file first, in order: cat {path.parent}/part_* > {joined}, then give {flag} "
+            f"{joined}"
+        )
 
 
 def _check_index_folder_made_by(cfg: Any, corpus: Any, manifest: dict) -> None:
