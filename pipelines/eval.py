@@ -2,13 +2,15 @@
 overall and per data source: one greedy rollout per question against the retriever.
 
     python pipelines/eval.py --model runs/tspo/checkpoint      # the held-out synthetic questions
-    python pipelines/eval.py --model Qwen/Qwen2.5-3B-Instruct --data.questions nq_test.parquet \\
-        --data.corpus wiki.jsonl --retriever.encoder.name e5-base-v2 --resources.num_generators 4
+    python pipelines/eval.py --config pipelines/configs/search_r1.yaml \\
+        --model Qwen/Qwen2.5-3B-Instruct --data.questions test.parquet --data.corpus wiki-18.jsonl.gz
     ray job submit --working-dir . -- python pipelines/eval.py --model /shared/ckpt
 
-It reads the same YAML file as the training pipelines (the package's embedded.yaml
-unless --config is given) for the data, retriever and generator settings, so it holds out and
-prompts exactly as the training run did (a question file of its own, a test set, is
+Its data, retriever, generator and resources settings come from --config (the same YAML
+file as the training pipelines'); without one, from the run that made a training
+checkpoint (its run config, kept in the checkpoint); else from the package's
+embedded.yaml, the CPU demo's, with which a question file is refused (MiniLM, 32-token
+turns, top-1). It says which. So it holds out and prompts exactly as the training run did (a question file of its own, a test set, is
 evaluated whole: every question, in file order; so is data.eval_file, the evaluation file a
 training run given one evaluates); the file's training sections (learner, pipeline, ...) do
 not apply here and are skipped. A checkpoint's held-out questions are those its run held
@@ -255,17 +257,99 @@ def read_before(path: str) -> dict:
     return data
 
 
+RUN_SECTIONS = ("data", "retriever", "generator", "resources")
+"""What eval.py takes from a checkpoint's run when no --config is given."""
+
+DEMO_SETTINGS = {  # the embedded CPU demo's settings that are wrong for real data
+    "retriever.encoder.name": "minilm",
+    "generator.max_new_tokens": 32,
+    "generator.topk": 1,
+    "generator.final_turn_prefix": "<answer>",
+    "generator.response_prefix": "<search>",
+    "generator.max_context_tokens": 2048,
+}
+
+
+def settings_source(argv: list[str]) -> tuple[Path | None, str, dict | None]:
+    """Where eval.py's settings come from: ``(YAML file, what it is, the checkpoint's run
+    config)``. --config FILE when given; else the run config a training checkpoint keeps
+    (its data, retriever, generator and resources sections, so that it is evaluated with
+    the encoder, index and rollout limits it trained with); else the embedded demo's."""
+    import argparse
+
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config", type=Path)
+    first.add_argument("--model", default=EvalRun.model)
+    known, _ = first.parse_known_args(argv)
+    if known.config is not None:
+        return known.config, f"--config {known.config}", None
+    run = _trained_run(known.model)
+    if run is None or not all(isinstance(run.get(k), dict) for k in RUN_SECTIONS):
+        return (
+            Path(EMBEDDED_CONFIG),
+            "the embedded CPU demo's (ray_credit/configs/embedded.yaml)",
+            None,
+        )
+    return None, f"the run's that made the checkpoint {known.model}", run
+
+
+def _run_yaml(run: dict, argv: list[str], folder: Path) -> Path:
+    """The checkpoint's run settings as a YAML file parse_config reads like --config.
+    The run's eval file is left out when a question file is given on the command line
+    (that file is the one to evaluate)."""
+    import yaml
+
+    settings = {k: run[k] for k in RUN_SECTIONS}
+    settings["seed"] = (run.get("pipeline") or {}).get("seed", 0)
+    given = {a.split("=")[0] for a in argv}
+    if "--data.questions" in given and "--data.eval_file" not in given:
+        settings["data"] = {**settings["data"], "eval_file": None}
+    path = folder / "run_settings.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+def check_demo_settings(cfg: EvalRun) -> None:
+    """A question file evaluated with the embedded demo's retrieval and rollout limits
+    (MiniLM, 32-token turns, top-1, forced prefixes) is refused: they fit the synthetic
+    world, and on a real corpus they would build a MiniLM index over it and cut every
+    answer short."""
+    from ray_credit.pipeline.published import get_path
+
+    if cfg.data.questions == "synthetic":
+        return
+    used = {k: v for k, v in DEMO_SETTINGS.items() if get_path(cfg, k) == v}
+    if used:
+        spelled = ", ".join(f"{k} {v!r}" for k, v in used.items())
+        raise InputError(
+            f"data.questions {cfg.data.questions} is evaluated with the embedded CPU demo's "
+            f"settings ({spelled}), made for the synthetic world; give the settings of the "
+            "run that trained the policy: --config pipelines/configs/search_r1.yaml (or your "
+            "run's YAML), a training checkpoint (its run's settings are taken), or each "
+            "flag (--retriever.encoder.name e5-base-v2 --generator.max_new_tokens 500 ...)"
+        )
+
+
 def main(argv=None) -> dict:
+    import sys
+    import tempfile
+
     from ray_credit.config import parse_config
 
-    cfg = parse_config(
-        EvalRun,
-        argv,
-        description=__doc__,
-        default_config=EMBEDDED_CONFIG,
-        skip_sections=TRAINING_SECTIONS,
-    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config, source, run = settings_source(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        if run is not None:
+            config = _run_yaml(run, argv, Path(folder))
+        cfg = parse_config(
+            EvalRun,
+            argv,
+            description=__doc__,
+            default_config=config,
+            skip_sections=TRAINING_SECTIONS,
+        )
     setup_logging(cfg.log_level)
+    print(f"settings: {source}; flags override them", flush=True)
     greedy = replace(cfg.generator, temperature=0.0, group_size=1)
     # everything a user handed us is checked before Ray starts, and refused in one line
     earlier = read_before(cfg.before) if cfg.before else None
@@ -280,6 +364,8 @@ def main(argv=None) -> dict:
         else:  # the held-out questions, or with data.eval_file every question of it
             corpus, _, questions = load_data(cfg.data, seed=cfg.seed)
         check_model("--model", model)
+        if config == Path(EMBEDDED_CONFIG):  # neither --config nor a checkpoint's run
+            check_demo_settings(cfg)
         check_retrieval(cfg)  # the encoder, the corpus's first document, a server's URL
         check_index_settings(cfg, corpus)  # and an index folder the settings did not make
         check_cluster_config(cfg)

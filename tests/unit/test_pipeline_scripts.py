@@ -443,6 +443,12 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys, monkeypatch):
          "retriever.encoder.name='.*no/encoder': no such folder"),
         (["--retriever.index.kind", "ivfpq"], "retriever.index: index kind 'ivfpq' with "
          "nlist=1024, pq_nbits=8 trains on the corpus and needs at least 1024 passages"),
+        # a question file with the embedded CPU demo's retrieval and limits
+        ([*data, "--model", "tiny-random"], "data.questions .*q.jsonl is evaluated with the "
+         "embedded CPU demo's settings \(retriever.encoder.name 'minilm', "
+         "generator.max_new_tokens 32, generator.topk 1, .*\), made for the synthetic world; "
+         "give the settings of the run that trained the policy: --config "
+         "pipelines/configs/search_r1.yaml"),
     ]  # fmt: skip
     run = {"data": {"questions": str(tmp_path / "q.jsonl"), "eval_questions": 1,
                     "eval_file": None}, "pipeline": {"seed": 3}}  # fmt: skip
@@ -492,7 +498,9 @@ def test_eval_evaluates_the_eval_file_it_is_given_and_says_which(tmp_path, capsy
     train = str(tmp_path / "train.jsonl")
     _checkpoint(tmp_path / "run", {"data": {"questions": train, "eval_questions": 2,
                                             "eval_file": None}, "pipeline": {"seed": 3}})  # fmt: skip
-    data = ["--data.questions", train, "--data.corpus", str(tmp_path / "c.jsonl")]
+    (tmp_path / "settings.yaml").write_text("generator: {max_new_tokens: 64, topk: 3}\n")
+    data = ["--data.questions", train, "--data.corpus", str(tmp_path / "c.jsonl"),
+            "--config", str(tmp_path / "settings.yaml")]  # fmt: skip
     script = ROOT / "pipelines" / "eval.py"
     eval_main = run_config_class(script, "main")
     monkeypatch.setitem(eval_main.__globals__, "connect", _no_ray)
@@ -607,3 +615,48 @@ def test_a_composition_brings_its_parts_recipe_and_is_read_like_any_setting(tmp_
         with pytest.raises(SystemExit) as err:
             main(run, None, "doc", argv=["--estimator", bad])
         assert "error: --estimator" in str(err.value) and says in str(err.value)
+
+
+def test_eval_takes_the_settings_of_the_checkpoint_s_run_and_says_so(tmp_path, capsys, monkeypatch):
+    """Without --config, a training checkpoint is evaluated with its run's encoder, index
+    and rollout limits (search_r1.yaml's here), not the embedded demo's, and the line
+    before Ray says whose settings they are; a question file given replaces the run's
+    evaluation file."""
+    from dataclasses import asdict
+
+    from ray_credit.pipeline.configs import load_config
+
+    sys_argv, sys.argv = sys.argv, [str(ROOT / "pipelines" / "tspo.py")]
+    try:
+        trained = load_config(load("tspo.py", "TSPORun"), "tspo",
+                              ["--config", str(ROOT / "pipelines/configs/search_r1.yaml"),
+                               "--retriever.encoder.name", "minilm"])  # fmt: skip
+    finally:
+        sys.argv = sys_argv
+    _checkpoint(tmp_path / "run", asdict(trained))
+    questions = [{"question": f"who is {i}?", "golden_answers": [f"p{i}"]} for i in range(3)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    (tmp_path / "c.jsonl").write_text('{"id": "d0", "contents": "P0\\np0 is 0."}\n')
+    seen = {}
+
+    def connect(cfg, *args, **kwargs):
+        seen["cfg"] = cfg
+        raise AssertionError("went on to start Ray")
+
+    script = ROOT / "pipelines" / "eval.py"
+    eval_main = run_config_class(script, "main")
+    monkeypatch.setitem(eval_main.__globals__, "connect", connect)
+    monkeypatch.setitem(eval_main.__globals__, "check_model", lambda *a, **k: None)
+    with pytest.raises(AssertionError, match="went on to start Ray"), _argv0(script):
+        eval_main(["--model", str(tmp_path / "run"), "--data.questions",
+                   str(tmp_path / "test.jsonl"), "--data.corpus", str(tmp_path / "c.jsonl")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"settings: the run's that made the checkpoint {tmp_path / 'run'}; flags" in out
+    assert "evaluating 3 questions: split all, every question of data.questions" in out
+    cfg = seen["cfg"]
+    assert (cfg.generator.max_new_tokens, cfg.generator.topk, cfg.generator.max_turns) == (
+        500,
+        3,
+        5,
+    )
+    assert cfg.resources.num_generators == 4 and cfg.data.eval_file is None
