@@ -445,8 +445,8 @@ def test_eval_refuses_bad_input_before_ray(tmp_path, capsys, monkeypatch):
          "nlist=1024, pq_nbits=8 trains on the corpus and needs at least 1024 passages"),
         # a question file with the embedded CPU demo's retrieval and limits
         ([*data, "--model", "tiny-random"], "data.questions .*q.jsonl is evaluated with the "
-         "embedded CPU demo's settings \(retriever.encoder.name 'minilm', "
-         "generator.max_new_tokens 32, generator.topk 1, .*\), made for the synthetic world; "
+         "embedded CPU demo's settings \\(retriever.encoder.name 'minilm', "
+         "generator.max_new_tokens 32, generator.topk 1, .*\\), made for the synthetic world; "
          "give the settings of the run that trained the policy: --config "
          "pipelines/configs/search_r1.yaml"),
     ]  # fmt: skip
