@@ -11,7 +11,7 @@ wrapper so no cached index carries over) and through the reference (best of
 beforehand and not timed). Both sides take the minimum, as timeit advises: slower
 repeats measure interference from the rest of the machine, not the code. The garbage
 collector is paused while timing, as in timeit. Prints turns/s, the speedup ratio and the max abs difference of the two
-outputs, and writes JSON. Targets (DESIGN.md section 8): >= 30x the reference for every
+outputs, and writes JSON. Targets: >= 30x the reference for every
 estimator, >= 2 M turns/s for grpo and tspo. Each estimator's composition of parts
 (``Estimator.composition``, what ``pipelines/compose.py`` runs) is timed the same way on
 the same batch: its turns/s, its time over the fused estimator's, and its max abs

@@ -23,8 +23,8 @@ GRPO estimator, the staleness check, metrics and weight publication. Modes: sync
 (``max_staleness=0``) and asynchronous (``max_staleness=1``), each without and with the
 stage. From the steady-state steps (the first waits for the first generation):
 
-- ``speedup``: sync / async seconds per step, no stage (2.0 is the limit; DESIGN.md
-  section 8 asks >= 1.7);
+- ``speedup``: sync / async seconds per step, no stage (2.0 is the limit; the target
+  is >= 1.7);
 - ``overhead``: the async step's seconds beyond the cost, as a share of the step (target
   <= 5 %), no stage;
 - ``async + stage`` step seconds (target <= 1.10 s at cost 1 s and a 0.5 s stage:

@@ -21,7 +21,7 @@ the same torch thread count (``--threads``, default 1: on a shared 2-core machin
 OpenMP thread spins waiting for a descheduled peer, and single-query encoding slowed 20x
 when we tried it). Each backend is timed ``--rounds`` times after
 a warm-up, alternating backends; the best round counts (slower rounds measure the rest of
-a shared machine). Target (DESIGN.md section 8): actor >= 2x the FastAPI queries/s.
+a shared machine). Target: actor >= 2x the FastAPI queries/s.
 
 Corpus: seeded synthetic people (``--corpus bench``, the default) or the project's
 synthetic world (``--corpus world``: ``ray_credit.data.synthetic.make_world``).

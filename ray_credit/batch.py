@@ -2,7 +2,7 @@
 
 One row per trajectory. Turn-aligned columns are ``list<…>`` with exactly one entry per
 turn; token-aligned columns are ``list<…>`` with one entry per token. The schema below is
-the single place where a column's type and meaning are written down (DESIGN.md section 3).
+the single place where a column's type and meaning are written down.
 
 Estimators read turn-level columns through zero-copy flat numpy views
 (:meth:`TrajectoryBatch.turn_values`, :attr:`TrajectoryBatch.turn_offsets`) and write
@@ -280,7 +280,7 @@ class TrajectoryBatch:
 
     def __reduce__(self):
         # Ship as one contiguous IPC buffer: the object store copies that far faster
-        # than a Table's many small buffers (see DESIGN.md section 8, transport).
+        # than a Table's many small buffers.
         return (_from_ipc_unchecked, (self.to_ipc(),))
 
     # ------------------------------------------------------------------ basic access

@@ -18,7 +18,7 @@ mini-batch's global counts, so splitting into micro-batches or ranks changes not
 float rounding. ``seq-mean-token-sum-norm`` divides by ``loss.loss_scale_factor``, or
 else by the longest row of the mini-batch.
 
-Off-policy correction (``off_policy``; DESIGN.md section 6):
+Off-policy correction (``off_policy``; docs/architecture.md, the asynchronous loop):
 
 * ``"none"``: the ratio is taken against the behavior logprobs the generator recorded
   (PPO's clipped ratio against the sampling policy).

@@ -1,4 +1,4 @@
-"""A seeded synthetic world: the embedded default dataset of ray_credit (DESIGN.md section 7).
+"""A seeded synthetic world: the embedded default dataset of ray_credit.
 
 :func:`make_world` invents countries, cities, people, organizations and inventions with
 made-up names (built from syllables), gives them attributes (years, professions, crafts,

@@ -28,7 +28,7 @@ info-gain scorer, which reads the policy's beliefs) score each chunk with the we
 that sampled it: they are sent a version once every chunk sampled with older weights is
 staged, and a chunk's stages start once they hold its version.
 
-Admission control (DESIGN.md section 6). A chunk whose last group is ``j`` starts only
+Admission control (docs/architecture.md, the asynchronous loop). A chunk whose last group is ``j`` starts only
 while ``j < (max_staleness + version + 1) * B``, ``version`` being the learner's. Group
 ``j`` is trained at step ``j // B`` and was generated with weights of version ``>=
 version at dispatch``, so its staleness at training is at most ``max_staleness``: a hard
@@ -174,10 +174,12 @@ class PipelineConfig:
     checkpoint_every: int = 0
     """Save every this many steps into ``checkpoint_dir`` (0: only at the end)."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go (None: no checkpoints): a path (made absolute on the driver; on
+    """Where checkpoints go: a path (made absolute on the driver; on
     a cluster, one every node sees) or a URI such as ``s3://bucket/runs/NAME/checkpoint``.
     One folder per saved step, ``step_000012``, a checkpoint once its ``pipeline.json``
-    is written, last. Resuming from this folder takes the newest."""
+    is written, last. Resuming from this folder takes the newest. None: a pipeline script
+    puts them in ``storage_path/NAME/checkpoint`` (else ``output_dir/NAME/checkpoint``);
+    a ``Pipeline`` built directly with None saves none."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints ``checkpoint_dir`` keeps; an older one is deleted
     only once a newer one is whole."""
