@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -389,9 +391,17 @@ def scale_case(arch: dict, strategy: str, settings: dict, batch, device: str) ->
             out["phases_gb"] = {k: {f: round(v, 2) for f, v in r.items()}
                                 for k, r in phases.record.items()}  # fmt: skip
     finally:
+        # The phase wrappers hold the learner's bound methods: a reference cycle that kept
+        # the learner (its weights, AdamW state, reference) on the GPU into the next case
+        # until the garbage collector ran. Break it, and collect before the next case.
+        for method in ("_logprobs_no_grad", "_optimizer_step", "_clip_and_step"):
+            vars(learner).pop(method, None)
+        gone = weakref.ref(learner)
         del learner, model
+        gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+        out["learner_freed"] = gone() is None
     row = scale_estimate(arch, strategy, config)
     out["estimate_gb"] = row["total"]
     if "peak_reserved_gb" in out:

@@ -124,6 +124,10 @@ class LearnerConfig:
     kl_coef: float = 0.0
     """Weight of the KL to the frozen initial policy; 0 turns the reference model off (it
     is then never loaded)."""
+    reference_dtype: Dtype | None = None
+    """The dtype the frozen reference of the KL term is held in (None: ``dtype``).
+    ``"bfloat16"`` halves a float32 reference, as verl holds its reference model; its
+    log-probs are then bf16 forward passes (under autocast they are anyway)."""
     kl_kind: KLKind = "k3"
     """KL estimator (:func:`ray_credit.losses.kl_penalty`): k1 (alias kl), abs, k2 (mse) or
     k3 (low_var_kl); a trailing + takes k2's gradient with the named one's value."""
@@ -271,6 +275,9 @@ class Learner:
         lora = self.config.lora
         if self.config.kl_coef > 0 and not lora.enabled:  # copied before wrapping: whole
             reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            wanted = self.config.reference_dtype
+            if wanted is not None and wanted != "auto":
+                reference = reference.to(getattr(torch, wanted))
             self.reference = self.world.wrap_frozen(reference)
         if lora.enabled:  # the reference is then the base: the model, adapters off
             self.model = apply_lora(self.model, lora)

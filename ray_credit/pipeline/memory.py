@@ -16,10 +16,11 @@ intermediate unit under bf16 autocast), per logit (16 bytes: the bf16 projection
 float32 copy, the log-softmax and their gradients) and at AdamW's step (temporaries 1.3
 times one moment of its state) were read off the learner's live tensors on a CPU
 (``bench/memory_terms.py``), and the totals checked against one H200
-(``bench/gpu_check.py --only scale``). There the estimate
-covered the peak without a KL reference, and fell short with one under FSDP (about 0.7
-of the memory the GPU reserved at peak) and with LoRA and a KL to the base (about 0.35):
-those rows say so. The GPU's memory is ``resources.gpu_memory_gb``, else what
+(``bench/gpu_check.py --only scale``), where the estimate covered the peak of a learner
+without a KL reference. The frozen reference of a KL term is counted as a copy of the
+weights in ``learner.reference_dtype`` (sharded like the policy under FSDP); that run's
+figures for the KL cases held the previous case's learner too (the check kept it alive
+until the garbage collector ran), so they do not measure it. The GPU's memory is ``resources.gpu_memory_gb``, else what
 ``nvidia-smi`` reports on this machine (no CUDA call), else unknown (no check).
 """
 
@@ -138,7 +139,8 @@ def estimate(
             grads, adam, reference = trained * 4, trained * 8, 0.0  # float32 adapters
         else:
             grads, adam = weights, 2 * weights  # AdamW's two moments, in the weights' dtype
-            reference = weights if lr.kl_coef > 0 else 0.0
+            ref_bytes = _BYTES[lr.reference_dtype or lr.dtype]
+            reference = shape.params * ref_bytes / shards if lr.kl_coef > 0 else 0.0
         tokens = lr.micro_batch_tokens
         abytes = 2 if lr.autocast else pbytes  # 'auto': bf16 on GPUs that have it
         layer = shape.hidden * _LAYER_HIDDEN + shape.intermediate * _LAYER_INTERMEDIATE
@@ -152,13 +154,7 @@ def estimate(
                  "activations": acts + logits + gathered, "AdamW step": _ADAMW_STEP * adam / 2,
                  "overhead": _LEARNER_OVERHEAD_GB * GB}  # fmt: skip
         how = f"{res.learner_strategy} over {shards}" if shards > 1 else "a whole replica"
-        row = _row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb)
-        if lr.kl_coef > 0 and (lr.lora.rank > 0 or res.learner_strategy == "fsdp"):
-            row["measured_low"] = 0.35 if lr.lora.rank > 0 else 0.7
-            row["measured_low_for"] = (
-                "LoRA with a KL to the base" if lr.lora.rank > 0 else "a KL reference under FSDP"
-            )
-        rows.append(row)
+        rows.append(_row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb))
     if res.generator_gpus:
         from ray_credit.pipeline.placement import scorer_shares_gpu
 
@@ -232,13 +228,6 @@ def report_memory(cfg: Any, services: set[str] = frozenset()) -> list[str]:
                 "(--resources.learner_strategy fsdp, more learner_workers), train adapters "
                 "(--learner.lora.rank 64), turn on --learner.gradient_checkpointing, or halve "
                 "--learner.micro_batch_tokens"
-            )
-        if "measured_low" in row:
-            warnings.append(
-                f"warning: for {row['measured_low_for']}, this estimate came to about {row['measured_low']} of the "
-                f"memory one GPU reserved at peak (docs/benchmarks.md): plan for "
-                f"{row['total'] / row['measured_low']:.0f} GB, or measure this model with "
-                "bench/gpu_check.py --only scale"
             )
         lines.append(line)
     log.info("\n".join(lines))

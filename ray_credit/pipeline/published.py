@@ -82,6 +82,9 @@ SEARCH_R1 = PublishedSetup(
         "learner.max_grad_norm": Setting(1.0, f"{_SR1_VERL}, grad_clip: 1.0"),
         "learner.kl_coef": Setting(1e-3, f"{_SR1}, kl_loss_coef=0.001; {_TSPO}"),
         "learner.kl_kind": Setting("k3", f"{_SR1}, kl_loss_type=low_var_kl"),
+        "learner.reference_dtype": Setting(
+            "bfloat16", "Search-R1's verl (verl/workers/fsdp_workers.py): the reference in bf16"
+        ),
         "learner.entropy_coef": Setting(
             0.0, f"{_TSPO} (entropy coefficient 0; Search-R1's script keeps verl's 0.001)"
         ),

@@ -285,25 +285,23 @@ def test_the_readme_cluster_command_rehearsed_on_the_twin_which_scales_up_and_do
 
 @pytest.mark.e2e
 def test_search_r1_yaml_rehearsed_on_a_local_ray_of_8_logical_gpus(tmp_path):
-    """pipelines/configs/search_r1.yaml on a local Ray the script starts with 8 logical
-    GPUs: the plan puts the 4 FSDP learner workers and the 4 generators on a GPU each,
-    every actor starts (none waits), and the run goes through its checkpoint."""
-    questions = tmp_path / "train.jsonl"
-    corpus = tmp_path / "corpus.jsonl"
-    from ray_credit.data import WorldConfig, make_world
+    """The README's real-data command on files shaped as Search-R1 ships them (the merged
+    NQ + HotpotQA parquet with its per-source ids and prompts, the gzipped corpus, a faiss
+    index downloaded in two parts and joined with cat), on a local Ray the script starts
+    with 8 logical GPUs: the plan puts the 4 FSDP learner workers and the 4 generators on
+    a GPU each, every actor starts (none waits), the index is imported and checked, the
+    test file is evaluated whole, and the run goes through its checkpoints."""
+    from tests.search_r1_files import write_search_r1_files
 
-    world = make_world(WorldConfig(num_entities=20))
-    questions.write_text("".join(json.dumps({"question": q["question"],
-                                             "golden_answers": list(q["golden_answers"])}) + "\n"
-                                 for q in world.questions))  # fmt: skip
-    corpus.write_text("".join(json.dumps({"id": d["id"], "contents": d["contents"]}) + "\n"
-                              for d in world.corpus))  # fmt: skip
+    files = write_search_r1_files(tmp_path)
+    joined = tmp_path / "e5_Flat.index"
+    subprocess.run(f"cat {tmp_path}/part_* > {joined}", shell=True, check=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run(
         [sys.executable, str(ROOT / "pipelines" / "tspo.py"),
          "--config", str(ROOT / "pipelines" / "configs" / "search_r1.yaml"),
-         "--data.questions", str(questions), "--data.corpus", str(corpus),
-         "--data.eval_file", "none", "--data.eval_questions", "4",
+         "--data.questions", str(files["train"]), "--data.eval_file", str(files["test"]),
+         "--data.corpus", str(files["corpus"]), "--retriever.index_file", str(joined),
          "--output_dir", str(tmp_path / "runs"),
          "--resources.local_gpus", "8", "--resources.local_cpus", "24", *REHEARSAL],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900,
@@ -311,8 +309,13 @@ def test_search_r1_yaml_rehearsed_on_a_local_ray_of_8_logical_gpus(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     text = out.stdout + out.stderr
     assert "placement (a local Ray; 1 of 1 node(s) used, 8 GPU(s))" in text
+    assert "ids repeat across data sources" in text and "bring their own prompt" in text
+    assert "note: departs from search-r1: pipeline.max_staleness = 1" in text
     summary = _summary(tmp_path / "runs", "search-r1-3b")
-    assert summary["steps"] == 2 and summary["eval_after"]["questions"] == 4
+    assert summary["steps"] == 2 and summary["groups_trained"] == 8
+    assert summary["eval_after"]["questions"] == 16  # the test file, whole, by source
+    assert summary["eval_before"]["count_by_source"] == {"nq": 8, "hotpotqa": 8}
+    assert "search-r1: pipeline.max_staleness = 1 (search-r1: 0" in "\n".join(summary["departures"])
     checkpoint = tmp_path / "runs" / "search-r1-3b" / "checkpoint"
     assert any(p.name.startswith("step_") for p in checkpoint.iterdir())
 

@@ -75,6 +75,27 @@ def test_a_scale_case_trains_and_estimates_its_memory_on_a_cpu():
     assert "peak_reserved_gb" not in out  # measured on CUDA only
 
 
+def test_a_scale_case_frees_its_learner_before_the_next_one():
+    """The phase wrappers held the learner's bound methods, a reference cycle: a case's
+    weights, AdamW state and KL reference outlived it until the garbage collector ran,
+    and on a GPU the next case's peak counted them (the 3B KL case and the LoRA case of
+    the H200 record followed a case still held). Each case now frees its learner."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_check import ARCHITECTURES, scale_batch, scale_case
+
+    from ray_credit.testing import process_group_of_one
+
+    tiny = dict(ARCHITECTURES["qwen2.5-3b"], hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=32_000)  # fmt: skip
+    batch = scale_batch(rows_per_group=2, groups=1)
+    with process_group_of_one("gloo"):
+        for settings in ({"micro_batch_tokens": 4096}, {"micro_batch_tokens": 4096,
+                                                         "kl_coef": 0.001}):  # fmt: skip
+            out = scale_case(tiny, "fsdp", settings, batch, "cpu")
+            assert out["learner_freed"], settings
+
+
 def test_phase_peaks_nest_over_a_counter_that_each_phase_resets():
     """_Phases over a stand-in for torch.cuda's counters: the passes' peak includes the
     optimizer step that ran inside them (whose start reset the counter)."""

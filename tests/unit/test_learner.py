@@ -567,3 +567,18 @@ def test_the_warm_up_counts_training_steps_not_optimizer_steps(batch):
     assert rates == pytest.approx([config.lr_at(s) for s in range(4)])
     assert rates == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert learner.optimizer_steps == 8
+
+
+def test_a_bf16_reference_holds_half_the_bytes_and_gives_the_kl_term(batch):
+    """learner.reference_dtype bfloat16 (verl holds its reference so): the frozen copy's
+    parameters are bf16 while the policy's stay float32, and the KL to it is a finite,
+    small term on the first update (the two start as the same weights)."""
+    config = LearnerConfig(lr=1e-3, kl_coef=0.1, reference_dtype="bfloat16")
+    learner = _learner(config)
+    assert {p.dtype for p in learner.reference.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in learner.model.parameters()} == {torch.float32}
+    f32 = _learner(LearnerConfig(lr=1e-3, kl_coef=0.1))
+    size = sum(p.numel() * p.element_size() for p in learner.reference.parameters())
+    assert 2 * size == sum(p.numel() * p.element_size() for p in f32.reference.parameters())
+    metrics = learner.train(batch)
+    assert np.isfinite(metrics["learner/kl"]) and abs(metrics["learner/kl"]) < 1e-2

@@ -91,3 +91,16 @@ def test_a_config_naming_no_published_setup_is_refused(capsys):
     assert "reproduces='search-r2' names no published setup; give one of ['search-r1']" in (
         capsys.readouterr().err
     )
+
+
+def test_aws_yaml_runs_the_same_recipe_kl_included():
+    """cluster.yaml's config trains search_r1.yaml's recipe on A10Gs: the same departures
+    (the staleness, and the notes), nothing else."""
+    sys_argv, sys.argv = sys.argv, [str(ROOT / "pipelines" / "tspo.py")]
+    try:
+        cls = run_config_class(ROOT / "pipelines" / "tspo.py", "TSPORun")
+        aws = load_config(cls, "tspo", ["--config", str(ROOT / "pipelines/configs/aws.yaml")])
+    finally:
+        sys.argv = sys_argv
+    assert aws.reproduces == "search-r1" and aws.learner.kl_coef == 1e-3
+    assert setup_departures(aws) == setup_departures(_config())
