@@ -722,9 +722,18 @@ def _shard_vectors(folder: Path, shard: int) -> np.ndarray:
 
 def _index_shards(folder: Path, num_docs: int, dim: int, config: IndexConfig,
                   shard_docs: int) -> None:  # fmt: skip
-    """Train on a sample (IVF, PQ), add shard by shard, write ``index.faiss``."""
+    """Train on a sample (IVF, PQ), add shard by shard, write ``index.faiss``. A flat
+    index is written shard by shard instead, never whole in memory
+    (:func:`_write_flat_file`)."""
     faiss = faiss_module()
     shards = _shards(num_docs, shard_docs)
+    if config.kind == "flat":
+        tmp = _tmp(folder / INDEX_FILE)
+        bar = progress_bar(num_docs, "writing the flat index", unit="doc")
+        _write_flat_file(tmp, dim, num_docs, _checked_shards(folder, shards, dim), bar)
+        bar.close()
+        os.replace(tmp, folder / INDEX_FILE)
+        return
     index = new_index(config, dim)
     if config.is_ivf:
         size = min(config.train_sample, num_docs)
@@ -742,6 +751,18 @@ def _index_shards(folder: Path, num_docs: int, dim: int, config: IndexConfig,
         index.train(sample)
         del sample
     bar = progress_bar(num_docs, f"adding to the {config.kind} index", unit="doc")
+    for vectors in _checked_shards(folder, shards, dim):
+        index.add(vectors)
+        bar.update(len(vectors))
+    bar.close()
+    set_search_params(index, config)
+    tmp = _tmp(folder / INDEX_FILE)
+    faiss.write_index(index, str(tmp))
+    os.replace(tmp, folder / INDEX_FILE)
+
+
+def _checked_shards(folder: Path, shards: list, dim: int) -> Iterator[np.ndarray]:
+    """Each shard's vectors in order, float32, checked against the rows it should hold."""
     for shard, start, stop in shards:
         vectors = np.ascontiguousarray(_shard_vectors(folder, shard), dtype=np.float32)
         if vectors.shape != (stop - start, dim):
@@ -749,13 +770,59 @@ def _index_shards(folder: Path, num_docs: int, dim: int, config: IndexConfig,
                 f"{_shard_path(folder, shard)} holds {vectors.shape}, not ({stop - start}, "
                 f"{dim}); delete it and build again to re-embed that shard"
             )
-        index.add(vectors)
-        bar.update(stop - start)
-    bar.close()
-    set_search_params(index, config)
-    tmp = _tmp(folder / INDEX_FILE)
-    faiss.write_index(index, str(tmp))
-    os.replace(tmp, folder / INDEX_FILE)
+        yield vectors
+
+
+def _flat_header(dim: int, count: int) -> bytes:
+    """The bytes faiss writes before the vectors of a flat inner-product index of
+    ``count`` vectors: taken from faiss itself (an empty index's file, its two count
+    fields read off the files of one and two vectors), so that the file streamed after
+    it is the one ``faiss.write_index`` would write, whatever faiss's version."""
+    faiss = faiss_module()
+
+    def serialized(n: int) -> bytes:
+        index = faiss.IndexFlatIP(dim)
+        if n:
+            index.add(np.zeros((n, dim), dtype=np.float32))
+        return faiss.serialize_index(index).tobytes()
+
+    empty, one, two = serialized(0), serialized(1), serialized(2)
+    vector = 4 * dim
+    if len(one) != len(empty) + vector or len(two) != len(empty) + 2 * vector:
+        raise RuntimeError("this faiss writes a flat index with more than its vectors after "
+                           "its header; build with faiss.write_index")  # fmt: skip
+    header = bytearray(empty)
+    found, at = 0, 0
+    while at < len(empty) - 7:  # the counts: 8-byte little-endian, 0 / k / 2k
+        v0, v1, v2 = (int.from_bytes(f[at : at + 8], "little") for f in (empty, one, two))
+        if v0 == 0 and v1 in (1, dim, vector) and v2 == 2 * v1:
+            header[at : at + 8] = (v1 * count).to_bytes(8, "little")
+            found += 1
+            at += 8  # not the same field read again from its next byte
+        else:
+            at += 1
+    if found != 2:  # the vector count, and the vectors' size
+        raise RuntimeError(f"this faiss's flat index header has {found} count fields, not 2")
+    return bytes(header)
+
+
+def _write_flat_file(
+    path: Path, dim: int, count: int, shards: Iterator[np.ndarray], bar: Any = None
+) -> None:
+    """Write a flat inner-product faiss index of ``count`` vectors to ``path`` from
+    ``shards`` (float32 arrays, in order): the header, then each shard's bytes as it
+    comes. What ``faiss.write_index`` writes for the whole index, with one shard in
+    memory at a time instead of all of them."""
+    written = 0
+    with open(path, "wb") as out:
+        out.write(_flat_header(dim, count))
+        for vectors in shards:
+            out.write(memoryview(np.ascontiguousarray(vectors, dtype=np.float32)).cast("B"))
+            written += len(vectors)
+            if bar is not None:
+                bar.update(len(vectors))
+    if written != count:
+        raise RuntimeError(f"{path}: {written} vectors written, {count} expected")
 
 
 # ---------------------------------------------------------------------------- import

@@ -211,3 +211,22 @@ def test_a_build_links_the_corpus_the_cache_already_converted(tmp_path):
     folder = ensure_index(path, tmp_path / "idx")
     assert (folder / "corpus.arrow").stat().st_ino == (cached / "corpus.arrow").stat().st_ino
     assert Corpus.open(folder).fingerprint == Corpus(CORPUS_DOCS).fingerprint
+
+
+@pytest.mark.parametrize("dim", [8, 64, 384, 768])
+def test_a_flat_index_is_written_shard_by_shard_as_faiss_writes_it(tmp_path, dim):
+    """The flat index file streamed from its shards is, byte for byte, the file
+    faiss.write_index writes for the whole index (which held every vector in memory:
+    64.6 GB for wiki-18); faiss reads it back and finds the same neighbours."""
+    import faiss
+
+    vectors = np.random.default_rng(dim).normal(size=(1_001, dim)).astype(np.float32)
+    whole = faiss.IndexFlatIP(dim)
+    whole.add(vectors)
+    path = tmp_path / "index.faiss"
+    index_build._write_flat_file(path, dim, len(vectors), iter(np.split(vectors, [300, 999])))
+    assert path.read_bytes() == faiss.serialize_index(whole).tobytes()
+    read = faiss.read_index(str(path), faiss.IO_FLAG_MMAP)
+    assert (read.search(vectors[:5], 3)[1] == whole.search(vectors[:5], 3)[1]).all()
+    with pytest.raises(RuntimeError, match="999 vectors written, 1001 expected"):
+        index_build._write_flat_file(path, dim, len(vectors), iter([vectors[:999]]))
