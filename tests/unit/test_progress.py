@@ -76,5 +76,5 @@ def test_an_index_build_counts_every_passage_embedded_and_added(monkeypatch, tmp
     index_build.ensure_index(docs, tmp_path / "idx", shard_docs=4)
     assert [(b.desc, b.count, b.total, b.closed) for b in bars] == [
         ("embedding the corpus", 10, 10, True),
-        ("adding to the flat index", 10, 10, True),
+        ("writing the flat index", 10, 10, True),
     ]
