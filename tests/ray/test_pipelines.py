@@ -298,9 +298,12 @@ def test_eval_scores_every_question_of_a_question_file(ray_cluster, tmp_path):
         json.dumps({"id": d["id"], "contents": d["contents"]}) + "\n" for d in world.corpus
     ))  # fmt: skip
     result_file = tmp_path / "eval.json"
+    # the run's own settings (a question file is refused with the embedded demo's)
+    (tmp_path / "settings.yaml").write_text("retriever: {encoder: {name: minilm}}\n")
     stdout = run(
         "eval.py",
         [
+            "--config", str(tmp_path / "settings.yaml"),
             "--model", "tiny-random", "--generator.backend", "transformers",
             "--data.questions", str(tmp_path / "test.jsonl"),
             "--data.corpus", str(tmp_path / "corpus.jsonl"),
