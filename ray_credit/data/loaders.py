@@ -514,23 +514,29 @@ def _key_mode(
         if raw is not None and pairs.setdefault((sources[k], str(raw)), k) != k:
             m = pairs[(sources[k], str(raw))]
             return "row", (
-                f"note: {name}: id {str(raw)!r} of data source {sources[k]!r} repeats "
+                f"{name}: id {str(raw)!r} of data source {sources[k]!r} repeats "
                 f"({labels[m]} and {labels[k]}): questions are keyed by their row instead, "
                 "row<index>-<hash of the question> (the same file gives the same keys)"
             )
     return "source/id", (
-        f"note: {name}: ids repeat across data sources ({rid!r} at {labels[j]} and "
+        f"{name}: ids repeat across data sources ({rid!r} at {labels[j]} and "
         f"{labels[i]}; sources {', '.join(sorted(set(sources)))}): questions are keyed by "
         f"data source and id, e.g. {sources[i] + '/' + rid!r}"
     )
 
 
-def _key_question(record: dict, raw_id: Any, index: int, mode: str) -> None:
-    """Set ``record["id"]`` as :func:`_key_mode`'s ``mode`` says (``index``: its row)."""
-    if mode == "row" or raw_id is None:
-        record["id"] = _stable_id(index, record["question"])
-    elif mode == "source/id":
-        record["id"] = f"{record['data_source']}/{raw_id}"
+def _key_questions(
+    records: Sequence[dict], raw_ids: Sequence[Any], start: int, mode: str
+) -> None:
+    """Set each record's ``id`` as :func:`_key_mode`'s ``mode`` says (``raw_ids``: the
+    file's, in the records' order; ``start``: the first record's row)."""
+    if mode == "id":
+        return
+    for i, (record, raw_id) in enumerate(zip(records, raw_ids, strict=True)):
+        if mode == "row" or raw_id is None:
+            record["id"] = _stable_id(start + i, record["question"])
+        else:
+            record["id"] = f"{record['data_source']}/{raw_id}"
 
 
 def _check_unique_ids(
@@ -624,9 +630,8 @@ def load_qa(path: str | os.PathLike) -> list[dict]:
     raw_ids = [row.get("id") for row in rows]
     mode, note = _key_mode([r["data_source"] for r in records], raw_ids, labels, str(path))
     if note is not None:
-        log.info(note)
-        for i, record in enumerate(records):
-            _key_question(record, raw_ids[i], i, mode)
+        log.info(f"note: {note}")
+    _key_questions(records, raw_ids, 0, mode)
     _check_unique_ids(records, wheres, labels, {})
     return records
 
@@ -685,7 +690,7 @@ def prompt_stream(
             )
         if mode == "row" and shuffle_seed is not None:
             raise DataFormatError(
-                f"{note[6:]}; such row keys exist only in file order, so a shuffled stream "
+                f"{note}; such row keys exist only in file order, so a shuffled stream "
                 "cannot give them: pass load_qa(path) instead of the path, or stream with "
                 "shuffle_seed=None"
             )
@@ -699,14 +704,12 @@ def prompt_stream(
         mode, note = _key_mode(
             [r["data_source"] for r in records], [r.get("id") for r in rows], labels, "records"
         )
-        for i, record in enumerate(records):
-            if mode != "id":
-                _key_question(record, rows[i].get("id"), i, mode)
-        mode = "id"  # keyed here, once
+        _key_questions(records, [r.get("id") for r in rows], 0, mode)
+        mode = "id"  # keyed here, once: the stream below hands them on as they are
         _check_unique_ids(records, labels, labels, {})
         dataset, source, where = ray.data.from_items(records), "records", "record"
     if note is not None:
-        log.info(note)
+        log.info(f"note: {note}")
     # A per-dataset copy of the context: file order without touching the global setting.
     dataset.context.execution_options.preserve_order = True
     if shuffle_seed is not None:
@@ -720,9 +723,7 @@ def prompt_stream(
             _qa_record(row, index=index + i, where=wheres[i], default_source=source)
             for i, row in enumerate(rows)
         ]
-        if mode != "id":
-            for i, record in enumerate(batch):
-                _key_question(record, rows[i].get("id"), index + i, mode)
+        _key_questions(batch, [r.get("id") for r in rows], index, mode)
         _check_unique_ids(batch, wheres, labels, first)
         yield batch
         index += len(rows)

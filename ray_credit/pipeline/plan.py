@@ -34,6 +34,7 @@ from typing import Any
 from ray_credit.batch import ROLLOUT_COLUMNS
 from ray_credit.config import InputError, apply_overrides
 from ray_credit.estimators import Estimator, get_estimator
+from ray_credit.pipeline.published import get_path
 from ray_credit.signals import JudgedSignal, Signal, get_signal
 
 __all__ = ["Plan", "make_plan", "recipe_defaults"]
@@ -208,7 +209,7 @@ def _departures(config: Any, est: Estimator) -> list[str]:
     """``key = value (recipe: value)`` for every declared setting the config changed."""
     out = []
     for key, wanted in est.learner.items():
-        got = _get_path(config.learner, key)
+        got = get_path(config.learner, key)
         if got != wanted:
             out.append(f"learner.{key} = {got!r} (recipe: {wanted!r})")
     for name, settings in est.signals.items():
@@ -218,9 +219,3 @@ def _departures(config: Any, est: Estimator) -> list[str]:
             if got != wanted:
                 out.append(f"{name}.{key} = {got!r} (recipe: {wanted!r})")
     return out
-
-
-def _get_path(config: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        config = getattr(config, part)
-    return config
