@@ -5,6 +5,16 @@ minutes on one H100), one table at the end:
     python bench/gpu_check.py --only faiss,learner
     python bench/gpu_check.py --dry-run       # everything up to the first CUDA call (CPU)
 
+* ``transformers``: the transformers generator on CUDA (float32) rolls out SmolLM2 over
+  the synthetic world, searching it by word overlap (no encoder, no faiss: the generator
+  is what is checked); its behaviour log-probs against a teacher-forced float32 forward
+  of the same weights, then a weight update (in place: the parameters' storage stays
+  where it was; seconds) and the same comparison on the updated weights;
+* ``slices``: one slice of wiki-18's flat e5 index as ``resources.retriever_gpu_share``
+  holds it over 8 GPUs (2.63 M x 768 unit vectors, random, in float16): searches of the
+  retriever's largest batch (256 queries, top 3), their queries/s, whether each query
+  finds the row it was made from, the top 3 against float32's, and the GPU memory a
+  search takes beyond the slice against the memory plan's allowance;
 * ``vllm``: vLLM's engine on CUDA (float32) rolls out SmolLM2 over the synthetic world;
   its behaviour log-probs against a teacher-forced float32 forward of the same weights
   (max |difference|), then a weight update in place (seconds) and the same comparison on
@@ -58,9 +68,11 @@ from ray_credit.actors.generator import GeneratorConfig  # noqa: E402
 from ray_credit.actors.learner import LearnerConfig  # noqa: E402
 from ray_credit.actors.sampling import VLLMConfig  # noqa: E402
 from ray_credit.data import WorldConfig, make_world  # noqa: E402
+from ray_credit.pipeline.memory import SLICE_BATCH  # noqa: E402
 
-CHECKS = ("vllm", "raw", "learner", "faiss", "pipeline", "scale")
-NEEDS = {"vllm": ["vllm"], "raw": ["vllm"], "learner": ["torch", "ray"], "faiss": ["faiss"],
+CHECKS = ("transformers", "slices", "vllm", "raw", "learner", "faiss", "pipeline", "scale")
+NEEDS = {"transformers": ["torch", "transformers", "pyarrow"], "slices": ["torch"],
+         "vllm": ["vllm"], "raw": ["vllm"], "learner": ["torch", "ray"], "faiss": ["faiss"],
          "pipeline": ["vllm", "ray"], "scale": ["torch", "transformers"]}  # fmt: skip
 MODEL = "smollm2-135m"
 
@@ -113,6 +125,13 @@ def settings(args: argparse.Namespace) -> dict:
         "raw": replace(gen, max_turns=1, group_size=8, max_new_tokens=args.raw_tokens),
         "learner": LearnerConfig(lr=1e-5, autocast="bfloat16", micro_batch_tokens=8192),
         "faiss": {"docs": args.faiss_docs, "dim": 384, "queries": 1024, "k": 3},
+        "slices": {
+            "rows": args.slice_rows,
+            "dim": 768,
+            "queries": SLICE_BATCH,
+            "k": 3,
+            "searches": 10,
+        },
         "pipeline": [
             sys.executable,
             str(ROOT / "pipelines" / "tspo.py"),
@@ -150,6 +169,104 @@ def settings(args: argparse.Namespace) -> dict:
             "1",
         ],  # fmt: skip
     }
+
+
+class _OverlapRetriever:
+    """The world's documents ranked by the words they share with the query: a retriever
+    with neither an encoder nor faiss, for checking a generator where they are absent."""
+
+    def __init__(self, docs: list[dict]) -> None:
+        from ray_credit.actors.corpus import Corpus
+
+        self.corpus = Corpus(docs)
+        self.words = [set(d["contents"].lower().split()) for d in docs]
+
+    def search(self, queries: list[str], topk: int) -> list[list[dict]]:
+        out = []
+        for query in queries:
+            words = set(query.lower().split())
+            scores = [len(words & doc) for doc in self.words]
+            rows = sorted(range(len(scores)), key=lambda r: (-scores[r], r))[:topk]
+            out.append(self.corpus.hits(rows, [float(scores[r]) for r in rows]))
+        return out
+
+
+def check_transformers(cfg: dict, out: dict) -> None:
+    import torch
+
+    from ray_credit.actors.generator import Generator
+    from ray_credit.models import load_model
+    from ray_credit.testing import max_logprob_gap
+
+    world = make_world(WorldConfig(seed=0))
+    gen = replace(cfg["generator"], backend="transformers")
+    t0 = time.perf_counter()
+    generator = Generator(MODEL, _OverlapRetriever(world.corpus), gen, device="cuda")
+    out["load_s"] = time.perf_counter() - t0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, _ = load_model(MODEL, device="cuda")
+    questions = world.questions[:4]
+    batch = generator.generate(questions)
+    out["trajectories"] = len(batch)
+    out["logprob_gap"] = max_logprob_gap(model, batch)
+    with torch.no_grad():  # new weights: every parameter moved a little
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    held = generator.sampler.model
+    where = {name: p.data_ptr() for name, p in held.named_parameters()}
+    t0 = time.perf_counter()
+    generator.update_weights(1, state)
+    out["weight_update_s"] = time.perf_counter() - t0
+    moved = [n for n, p in held.named_parameters() if p.data_ptr() != where[n]]
+    out["in_place"] = generator.sampler.model is held and not moved
+    out["logprob_gap_after_update"] = max_logprob_gap(model, generator.generate(questions))
+    out["ok"] = (out["in_place"] and out["logprob_gap"] < 2e-3
+                 and out["logprob_gap_after_update"] < 2e-3)  # fmt: skip
+
+
+def check_slices(cfg: dict, out: dict) -> None:
+    import torch
+
+    from ray_credit.actors.flat_slices import FlatSlice
+    from ray_credit.pipeline.memory import GB
+
+    spec = cfg["slices"]
+    rows, dim, n, k = spec["rows"], spec["dim"], spec["queries"], spec["k"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    vectors = torch.empty((rows, dim), dtype=torch.float16, device="cuda")
+    for start in range(0, rows, 1 << 18):  # unit rows, made in float32 a block at a time
+        block = torch.randn((min(1 << 18, rows - start), dim), device="cuda", generator=gen)
+        vectors[start : start + len(block)] = torch.nn.functional.normalize(block, dim=1)
+    half = FlatSlice(vectors, lo=0)
+    picked = torch.randint(0, rows, (spec["searches"], n), device="cuda", generator=gen)
+    noise = torch.randn((spec["searches"], n, dim), device="cuda", generator=gen) * 0.02
+    queries = [(vectors[p].float() + e).cpu().numpy() for p, e in zip(picked, noise, strict=True)]
+    half.search(queries[0], k)  # warm-up: kernels, cuBLAS's workspace
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    found = [half.search(q, k)[1] for q in queries]
+    seconds = time.perf_counter() - t0
+    out["slice_gb"] = half.nbytes / GB
+    out["search_workspace_gb"] = (torch.cuda.max_memory_allocated() - base) / GB
+    out["plan_workspace_gb"] = FlatSlice.workspace_bytes(n, k, dim=dim, dtype=torch.float16) / GB
+    out["queries_per_s"] = spec["searches"] * n / seconds
+    out["ms_per_search"] = 1000 * seconds / spec["searches"]
+    truth = picked.cpu().numpy()
+    out["top1_is_the_query_row"] = float(
+        sum((f[:, 0] == t).mean() for f, t in zip(found, truth, strict=True)) / len(found)
+    )
+    # float16 against float32 on the first quarter of the rows (a float32 copy fits beside)
+    quarter = rows // 4
+    exact = FlatSlice(vectors[:quarter].float(), lo=0)
+    rounded = FlatSlice(vectors[:quarter], lo=0)
+    same = [(exact.search(q, k)[1] == rounded.search(q, k)[1]).all(axis=1).mean()
+            for q in queries[:2]]  # fmt: skip
+    out["same_top3_as_float32"] = float(sum(same) / len(same))
+    out["ok"] = (out["top1_is_the_query_row"] > 0.99 and out["same_top3_as_float32"] > 0.9
+                 and out["search_workspace_gb"] <= out["plan_workspace_gb"])  # fmt: skip
 
 
 def check_vllm(cfg: dict, out: dict) -> None:
@@ -444,6 +561,8 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(CHECKS), help=f"some of {CHECKS}")
     parser.add_argument("--raw-tokens", type=int, default=128)
     parser.add_argument("--faiss-docs", type=int, default=1_000_000)
+    parser.add_argument("--slice-rows", type=int, default=2_626_916,
+                        help="rows of the slices check's slice (wiki-18's 21,015,324 over 8)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_check.json")
     args = parser.parse_args()
     chosen = [c for c in args.only.split(",") if c]

@@ -57,7 +57,12 @@ from ray_credit.pipeline.preflight import (
     check_retrieval,
 )
 from ray_credit.pipeline.questions import load_data, load_questions
-from ray_credit.pipeline.services import connect, make_generators, make_retriever
+from ray_credit.pipeline.services import (
+    connect,
+    make_generators,
+    make_retriever,
+    reserve_slice_bundles,
+)
 from ray_credit.signals import SIGNALS  # noqa: E402
 
 # What a training run's YAML file may hold that evaluation does not use.
@@ -378,9 +383,10 @@ def main(argv=None) -> dict:
     except InputError as err:
         raise SystemExit(f"eval.py: error: {err}") from None
     index = cfg.retriever.index_folder
-    retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index)  # its replicas
+    slices = reserve_slice_bundles(cfg, learners=False)  # the index beside the generators
+    retriever = make_retriever(corpus, cfg.retriever, cfg.resources, index, slices)
     # resources.num_generators generators, for this evaluation only: greedy, then sampled
-    generators = make_generators(model, retriever, cfg, greedy, prefix="eval")
+    generators = make_generators(model, retriever, cfg, greedy, prefix="eval", slices=slices)
     result = {
         "model": model,
         "split": cfg.split,
@@ -394,6 +400,8 @@ def main(argv=None) -> dict:
         )
     for generator in generators:
         ray.kill(generator)
+    if slices is not None:
+        slices.remove()
     print(f"{'data source':<24} {'n':>6} {'EM':>7}")
     for name, em in result["em_by_source"].items():
         print(f"{name:<24} {result['count_by_source'][name]:>6} {em:>7.3f}")

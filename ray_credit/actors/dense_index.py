@@ -37,6 +37,7 @@ __all__ = [
     "check_index_folder",
     "check_whole_folder",
     "faiss_module",
+    "index_file_of",
     "index_manifest",
     "read_manifest",
 ]
@@ -275,6 +276,13 @@ def _whole_manifest(folder: Path) -> dict[str, Any]:
         )
     _check_version(folder, manifest)
     return manifest
+
+
+def index_file_of(folder: str | os.PathLike) -> Path:
+    """The faiss file of the whole index folder ``folder``: its own ``index.faiss``, or
+    the file it was imported from."""
+    folder = Path(folder)
+    return _index_path(folder, _whole_manifest(folder))
 
 
 def check_whole_folder(folder: str | os.PathLike) -> dict[str, Any]:

@@ -11,8 +11,8 @@ gradients and optimizer state sharded), then loads the state of ``resume_from``.
 worker joins no group. Every rank is set up at once, since joining waits for all.
 
 Placement. Before any worker starts, one placement group reserves a bundle per worker
-(the per-worker resources, plus one GPU with ``use_gpu``), packed onto as few nodes as
-possible; a group the cluster cannot hold fails within ``timeout_s`` with an error
+(the per-worker resources, plus one GPU with ``use_gpu``; or the caller gives bundles it
+reserved, ``placement_group``), packed onto as few nodes as possible; a group the cluster cannot hold fails within ``timeout_s`` with an error
 naming what it asked for, instead of half-starting. With GPUs, the workers of a node
 all see the node's learner GPUs (``CUDA_VISIBLE_DEVICES`` = their ids together, as Ray
 Train sets it) so that NCCL can go peer-to-peer, and each drives its own.
@@ -61,7 +61,13 @@ from ray_credit.batch import TrajectoryBatch
 from ray_credit.models import cpu_rehearsal
 from ray_credit.storage import StoragePath
 
-__all__ = ["LearnerCall", "LearnerGroup", "LearnerWorkerError", "check_strategy"]
+__all__ = [
+    "LearnerCall",
+    "LearnerGroup",
+    "LearnerWorkerError",
+    "check_strategy",
+    "reserve_bundles",
+]
 
 
 class LearnerWorkerError(RuntimeError):
@@ -157,6 +163,10 @@ class LearnerGroup:
         strategy: ``"ddp"`` (a full replica per worker) or ``"fsdp"`` (parameters,
             gradients and optimizer state sharded over the workers, FSDP2); the same
             update either way. Used with ``num_workers > 1``.
+        placement_group: bundles the caller reserved (:func:`reserve_bundles`), one per
+            worker, each holding at least ``resources_per_worker``: rank i starts in
+            bundle i, beside what else the caller puts there (an index slice on a share
+            of its GPU); the caller removes it. None: the group reserves its own.
     """
 
     def __init__(
@@ -171,6 +181,7 @@ class LearnerGroup:
         timeout_s: float = 1800.0,
         name: str = "learner",
         strategy: str = "ddp",
+        placement_group: PlacementGroup | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -183,11 +194,20 @@ class LearnerGroup:
         self.strategy = strategy
         self._settle_task = ray.remote(num_cpus=0, max_retries=0)(_settle)
         self._workers: list[Any] = []
-        self._placement_group: PlacementGroup | None = None
+        self._placement_group: PlacementGroup | None = placement_group
+        self._owns_group = placement_group is None
+        if placement_group is not None and len(placement_group.bundle_specs) != num_workers:
+            raise ValueError(
+                f"placement_group has {len(placement_group.bundle_specs)} bundles, and "
+                f"{num_workers} workers need one each"
+            )
         if resume_from is not None:  # absolute here: the workers' cwd may differ
             resume_from = StoragePath(resume_from)
         try:
-            self._placement_group = _reserve(bundle, num_workers, timeout_s=timeout_s, name=name)
+            if self._owns_group:
+                self._placement_group = reserve_bundles(
+                    [bundle] * num_workers, timeout_s=timeout_s, name=name
+                )
             self._workers = self._start_workers(bundle)
             placements = self._call("placement").results(timeout_s)
             setup = self._call(
@@ -289,9 +309,9 @@ class LearnerGroup:
         for worker in self._workers:
             ray.kill(worker)
         self._workers = []
-        if self._placement_group is not None:
+        if self._placement_group is not None and self._owns_group:
             remove_placement_group(self._placement_group)
-            self._placement_group = None
+        self._placement_group = None
 
     # ----------------------------------------------------------------- plumbing
     def _call(
@@ -349,17 +369,19 @@ def _worker_bundle(resources: Mapping[str, float] | None, *, use_gpu: bool) -> d
     return {**bundle, "GPU": float(gpus)} if use_gpu else bundle
 
 
-def _reserve(
-    bundle: Mapping[str, float], count: int, *, timeout_s: float, name: str
+def reserve_bundles(
+    bundles: Sequence[Mapping[str, float]], *, timeout_s: float, name: str
 ) -> PlacementGroup:
-    """A placement group of ``count`` bundles, packed; raises unless it is placed within
-    ``timeout_s``, so that a group too big for the cluster fails before any worker."""
-    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
+    """A placement group of ``bundles``, packed onto as few nodes as possible; raises
+    unless it is placed within ``timeout_s``, so that a group too big for the cluster
+    fails before any actor starts in it."""
+    group = placement_group([dict(b) for b in bundles], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
+        count, bundle = len(bundles), dict(bundles[0])
         raise RuntimeError(
-            f"{name}: the cluster could not place {count} worker(s) of {dict(bundle)} each "
+            f"{name}: the cluster could not place {count} worker(s) of {bundle} each "
             f"within {timeout_s:g} s (it has {ray.cluster_resources()} in all, "
             f"{ray.available_resources()} free); lower num_workers or resources_per_worker, "
             "or add nodes"

@@ -209,6 +209,7 @@ class Retriever:
         index_folder: str | os.PathLike | None = None,
         index_file: str | os.PathLike | None = None,
         build: dict[str, Any] | None = None,
+        slices: tuple[Any, float, float] | None = None,
     ) -> Retriever:
         """Open the index folder, building it first when it is not whole
         (:func:`~ray_credit.actors.index_build.ensure_index`, with ``build``'s keyword
@@ -219,6 +220,11 @@ class Retriever:
         ``corpus`` None: the corpus the index folder holds. ``index_folder`` None: the
         shared cache folder of this corpus and these settings (:func:`index_cache_folder`),
         so runs, methods, seeds and resumes build it once.
+
+        ``slices``: ``(hosts, share, cpus)``: a flat index is held in slices, one per
+        (placement group, bundle) of ``hosts``, each asking ``share`` of its GPU and
+        ``cpus`` (:class:`~ray_credit.actors.index_slices.SlicedIndex`; needs Ray),
+        instead of whole in this process.
         """
         faiss_module()  # a missing faiss fails here, not after the encoder has loaded
         enc_config = EncoderConfig(name=encoder) if isinstance(encoder, str) else encoder
@@ -239,13 +245,23 @@ class Retriever:
                          index_file=index_file, **(build or {}))  # fmt: skip
         else:  # its files and its corpus, cheaply, before faiss maps the index
             check_whole_folder(folder)
-        dense = DenseIndex.load(folder, config)
+        if slices is not None:
+            from ray_credit.actors.index_slices import SlicedIndex
+            from ray_credit.models import device_for
+
+            hosts, share, cpus = slices
+            dense = SlicedIndex.start(folder, check_whole_folder(folder), config, hosts,
+                                      share=share, cpus=cpus, device=device_for(share))  # fmt: skip
+        else:
+            dense = DenseIndex.load(folder, config)
         docs = Corpus.open(folder)
         if loaded and index_folder is not None and corpus is not None:
             _same_corpus(corpus, docs, folder)
         retriever = cls(docs, Encoder(enc_config), dense)
         where = f"on GPUs {dense.gpus}" if dense.on_gpu else (
             "memory-mapped" if dense.mmapped else "in memory")  # fmt: skip
+        if slices is not None:
+            where = f"in {len(dense.gpus)} slices: {', '.join(dense.gpus)}"
         log.info(
             f"retriever: {'loaded' if loaded else 'built'} the index of {len(docs)} docs in "
             f"{folder} ({time.perf_counter() - start:.1f}s; {where})"
@@ -452,10 +468,11 @@ class RetrieverActor:
         build: dict[str, Any] | None = None,
         max_batch_queries: int = 256,
         batch_wait_ms: float = 2.0,
+        slices: tuple[Any, float, float] | None = None,
     ) -> None:
         self.retriever = Retriever.create(
             corpus, encoder=encoder, index=index, index_folder=index_folder,
-            index_file=index_file, build=build,
+            index_file=index_file, build=build, slices=slices,
         )  # fmt: skip
         self.batcher = QueryBatcher(
             self.retriever.search,
@@ -508,6 +525,7 @@ def make_retriever_actor(
     max_concurrency: int = 1000,
     max_restarts: int = 3,
     name: str | None = None,
+    slices: tuple[Any, float, float] | None = None,
 ) -> ActorHandle:
     """Start a :class:`RetrieverActor` on the connected Ray cluster and return its handle.
 
@@ -520,6 +538,8 @@ def make_retriever_actor(
     and the caller retries (no hidden task retries). ``resources``: custom resources
     (``{"service": 1}`` places it on a cluster's service nodes). Call
     ``handle.search.remote(queries, topk)``; ``handle.metrics.remote()`` for counters.
+    ``slices``: ``(hosts, share, cpus)`` of :meth:`Retriever.create`: the actor holds a
+    flat index in slices on a share of those bundles' GPUs.
     """
     import ray
 
@@ -554,5 +574,6 @@ def make_retriever_actor(
             build=build,
             max_batch_queries=max_batch_queries,
             batch_wait_ms=batch_wait_ms,
+            slices=slices,
         )
     )

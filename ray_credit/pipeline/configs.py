@@ -41,6 +41,7 @@ __all__ = [
     "RetrieverConfig",
     "RunConfig",
     "WandbConfig",
+    "check_gpu_share",
     "check_resource_use",
     "foreign_sections",
     "load_config",
@@ -304,6 +305,14 @@ class ResourcesConfig:
     retriever_gpus: float = 0.0
     """GPUs of each retriever actor: its encoder runs on them, and with faiss-gpu its index,
     sharded over them (see retriever.index.gpu_devices)."""
+    retriever_gpu_share: float = 0.0
+    """A share of every learner and generator GPU for the retriever's index (0: none;
+    e.g. 0.1): a flat index is split into one slice per such GPU, each slice held in
+    float16 by an actor asking this share of the GPU, beside the learner or generator,
+    which asks the rest; a search meets every slice at once (Search-R1's layout: wiki-18's
+    e5 index is 4 GB a GPU over 8). The encoder and the corpus stay in the retriever actor
+    (its retriever_cpus, and retriever_gpus if any are free). A share is what Ray counts;
+    the memory plan printed before Ray starts adds each slice to its GPU's memory."""
     retriever_replicas: int = 1
     """Retriever actors; generator i searches replica i mod this. Replicas of one node
     share the memory-mapped corpus and CPU index; the index is built once, before them."""
@@ -356,6 +365,11 @@ class ResourcesConfig:
                 raise ValueError(
                     f"resources.{name} must be a finite number >= 0, got {getattr(self, name)}"
                 )
+        if not 0 <= self.retriever_gpu_share < 1:
+            raise ValueError(
+                f"resources.retriever_gpu_share must lie in [0, 1): a share of each learner "
+                f"and generator GPU (0.1 for a flat index's slices), got {self.retriever_gpu_share}"
+            )
         for name in ("generator_gpus", "retriever_gpus", "scorer_gpus"):
             gpus = getattr(self, name)
             if gpus is not None and gpus > 1 and not float(gpus).is_integer():
@@ -510,6 +524,14 @@ class RunConfig:
         if self.generator.backend == "vllm":
             _check_vllm(self.generator, self.resources, self.pipeline)
         check_resource_use(self.resources, self.generator, self.retriever)
+        if self.resources.retriever_gpu_share and self.warm_start.enabled:
+            raise ValueError(
+                f"resources.retriever_gpu_share={self.resources.retriever_gpu_share:g} holds "
+                "a share of every learner GPU for the whole run, and the warm-start trains on "
+                "those GPUs whole (a Ray Train job) before RL; warm-start in a run without the "
+                "share, then train with the share from the policy it saved: --model <its "
+                "warm_start folder> --warm_start.enabled false"
+            )
         if self.wandb.mode != "disabled" and len(self.name) > WANDB_NAME_MAX:
             raise ValueError(
                 f"name is {len(self.name)} characters, and it names the wandb run too, which "
@@ -578,7 +600,8 @@ def check_resource_use(res: ResourcesConfig, gen: GeneratorConfig, retriever: An
             )
     if retriever.url:
         for name, unused in (("retriever_gpus", res.retriever_gpus > 0),
-                             ("retriever_replicas", res.retriever_replicas > 1)):  # fmt: skip
+                             ("retriever_replicas", res.retriever_replicas > 1),
+                             ("retriever_gpu_share", res.retriever_gpu_share > 0)):  # fmt: skip
             if unused:
                 raise ValueError(
                     f"resources.{name}={getattr(res, name):g} is for the retriever actors a run "
@@ -586,6 +609,8 @@ def check_resource_use(res: ResourcesConfig, gen: GeneratorConfig, retriever: An
                     f"(no retriever actor starts); drop one of them"
                 )
         return
+    if res.retriever_gpu_share:
+        check_gpu_share(res, gen, retriever)
     if res.retriever_replicas > res.num_generators:
         idle = res.retriever_replicas - res.num_generators
         raise ValueError(
@@ -630,6 +655,46 @@ def check_resource_use(res: ResourcesConfig, gen: GeneratorConfig, retriever: An
             f"{len(used)} of the {seen} GPUs each retriever actor asks for "
             f"(resources.retriever_gpus={res.retriever_gpus:g}): the others would be held and "
             f"never used; give gpu_devices 'all', or --resources.retriever_gpus {len(used)}"
+        )
+
+
+def check_gpu_share(res: ResourcesConfig, gen: GeneratorConfig, retriever: Any) -> None:
+    """Refuse a ``resources.retriever_gpu_share`` its run cannot place: the slices go
+    beside learners and generators of one whole GPU each, and hold a flat index."""
+    share = res.retriever_gpu_share
+    flag = f"resources.retriever_gpu_share={share:g}"
+    if not res.use_gpu:
+        raise ValueError(
+            f"{flag} puts index slices on the learners' GPUs, and the learners ask for none "
+            "(resources.use_gpu false); give --resources.use_gpu true (a CPU rehearsal "
+            "too: its GPUs are logical), or drop the share"
+        )
+    whole = [(name, value) for name, value in (("learner_gpus", res.learner_gpus),
+             ("generator_gpus", res.generator_gpus)) if value != 1]  # fmt: skip
+    if whole:
+        name, value = whole[0]
+        raise ValueError(
+            f"{flag} splits each learner and generator GPU between it and an index slice, "
+            f"so each must hold one whole GPU; resources.{name} is {value:g}: set it to 1"
+        )
+    if retriever.index.kind != "flat":
+        raise ValueError(
+            f"{flag} serves a flat index in slices, and retriever.index.kind is "
+            f"{retriever.index.kind!r} (searched whole, on CPUs); use --retriever.index.kind "
+            "flat, or drop the share and serve this index on the retriever's CPUs"
+        )
+    if retriever.index.use_gpu:
+        raise ValueError(
+            f"{flag} holds the index in slices on the learners' and generators' GPUs, with "
+            "torch; retriever.index.use_gpu true asks faiss-gpu to copy it whole to the "
+            "retriever's own GPUs as well: drop one of them"
+        )
+    if res.retriever_replicas > 1:
+        raise ValueError(
+            f"{flag}: one retriever searches the slices of every GPU; "
+            f"resources.retriever_replicas={res.retriever_replicas} would ask each GPU for "
+            "a slice per replica; drop retriever_replicas (one retriever keeps up: its "
+            "search is spread over all the GPUs)"
         )
 
 

@@ -6,7 +6,9 @@ gradients and AdamW state in ``learner.dtype`` (all of them, or 1/N under FSDP o
 workers; with LoRA only the adapters train), the frozen reference of a KL loss, and its
 micro-batch's activations and float32 logits; a vLLM generator takes
 ``gpu_memory_utilization`` of its GPU (its share of it, beside the scorer), the weights
-first and the KV cache the rest; the info-gain scorer holds the policy's weights. Each is
+first and the KV cache the rest; the info-gain scorer holds the policy's weights; with
+``resources.retriever_gpu_share`` every learner and generator GPU also holds an index
+slice (its rows in float16, and a search's scores). Each is
 an estimate: it is printed as a table, and a GPU it will not fit gets a warning that says
 what to change.
 
@@ -27,6 +29,7 @@ until the garbage collector ran), so they do not measure it. The GPU's memory is
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -35,7 +38,16 @@ from typing import Any
 
 from ray_credit.log import log
 
-__all__ = ["ModelShape", "estimate", "gpu_memory_gb", "model_shape", "report_memory"]
+__all__ = [
+    "ModelShape",
+    "estimate",
+    "gpu_memory_gb",
+    "index_vectors",
+    "model_shape",
+    "report_memory",
+    "SLICE_BATCH",
+    "slice_bytes",
+]
 
 GB = 1024**3
 _VLLM_OVERHEAD_GB = 2.0  # CUDA context, graphs and the sampler's buffers, per engine
@@ -122,13 +134,74 @@ def _lora_params(shape: ModelShape, rank: int) -> int:
     return shape.layers * per_layer
 
 
+SLICE_BATCH = 256
+"""The most queries one search of the slices holds: the retriever's batch (its
+``max_batch_queries``)."""
+
+
+def slice_bytes(cfg: Any, index_vectors: tuple[int, int] | None) -> float:
+    """What one index slice holds on its GPU (``resources.retriever_gpu_share``; 0
+    without): its rows of the ``index_vectors`` (count, dimension) in float16, and what a
+    search of the retriever's largest batch takes beside them (a chunk of scores, its
+    masks, the top-k)."""
+    from ray_credit.pipeline.placement import slice_hosts
+
+    if index_vectors is None:
+        return 0.0
+    hosts = len(slice_hosts(cfg))
+    if not hosts:
+        return 0.0
+    import torch
+
+    from ray_credit.actors.flat_slices import FlatSlice
+
+    count, dim = index_vectors
+    rows = -(-count // hosts)
+    k = cfg.generator.topk
+    return rows * dim * 2 + FlatSlice.workspace_bytes(SLICE_BATCH, k, dim=dim, dtype=torch.float16)
+
+
+def index_vectors(cfg: Any, corpus: Any) -> tuple[int, int] | None:
+    """(count, dimension) of the index of a run with ``resources.retriever_gpu_share``,
+    without opening it: the imported file's header, the index folder's manifest, else the
+    corpus's passages at the encoder's dimension (None: unknown, or no share)."""
+    from ray_credit.actors.corpus import count_docs
+    from ray_credit.actors.dense_index import read_manifest
+    from ray_credit.actors.encoder import encoder_dim
+
+    retriever = cfg.retriever
+    if not cfg.resources.retriever_gpu_share or retriever.url:
+        return None
+    if retriever.index_file:
+        try:
+            from ray_credit.actors.flat_slices import read_flat_layout
+
+            layout = read_flat_layout(retriever.index_file)
+            return layout.ntotal, layout.dim
+        except (OSError, ValueError):  # not a flat file: refused where it is opened
+            pass
+    if retriever.index_folder:
+        manifest = read_manifest(retriever.index_folder)
+        if manifest is not None:
+            return int(manifest["num_docs"]), int(manifest["dim"])
+    dim = encoder_dim(retriever.encoder)
+    return None if dim is None else (count_docs(corpus), dim)
+
+
 def estimate(
-    cfg: Any, shape: ModelShape, gpu_gb: float | None, services: tuple[str, ...] = ()
+    cfg: Any,
+    shape: ModelShape,
+    gpu_gb: float | None,
+    services: tuple[str, ...] = (),
+    index: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per kind of GPU holder: its name, its parts in GB and their total, and the
     GPU memory it has to fit in (None: unknown). ``services``: the plan's (with the
-    scorer on generator 0's GPU, generator 0 has the rest of it)."""
+    scorer on generator 0's GPU, generator 0 has the rest of it). ``index``: the index's
+    (count, dimension), whose slices a ``resources.retriever_gpu_share`` puts beside
+    each learner and generator."""
     res, lr, gen = cfg.resources, cfg.learner, cfg.generator
+    piece = slice_bytes(cfg, index)
     rows = []
     if res.use_gpu:
         shards = res.learner_workers if res.learner_strategy == "fsdp" else 1
@@ -152,7 +225,7 @@ def estimate(
         gathered = 2 * (shape.params / shape.layers) * pbytes if shards > 1 else 0.0
         parts = {"weights": weights, "gradients": grads, "AdamW": adam, "reference": reference,
                  "activations": acts + logits + gathered, "AdamW step": _ADAMW_STEP * adam / 2,
-                 "overhead": _LEARNER_OVERHEAD_GB * GB}  # fmt: skip
+                 "overhead": _LEARNER_OVERHEAD_GB * GB, "index slice": piece}  # fmt: skip
         how = f"{res.learner_strategy} over {shards}" if shards > 1 else "a whole replica"
         rows.append(_row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb))
     if res.generator_gpus:
@@ -176,9 +249,12 @@ def estimate(
                 row["kv_tokens"] = int(max(kv, 0) // kv_token)
                 row["contexts"] = row["kv_tokens"] // gen.max_context_tokens
                 row["budget_gb"] = budget / GB
+            if piece:  # outside the engine's budget: beside it on the GPU
+                row["slice_gb"] = piece / GB
             rows.append(row)
         else:
-            parts = {"weights": weights, "KV kept between turns": gen.kv_reuse_gb * GB}
+            parts = {"weights": weights, "KV kept between turns": gen.kv_reuse_gb * GB,
+                     "index slice": piece}  # fmt: skip
             rows.append(_row(f"generator (transformers, {gen.dtype})", parts, gpu_gb))
     return rows
 
@@ -188,9 +264,13 @@ def _row(name: str, parts: dict[str, float], gpu_gb: float | None) -> dict[str, 
     return {"name": name, "parts": parts_gb, "total": sum(parts_gb.values()), "gpu_gb": gpu_gb}
 
 
-def report_memory(cfg: Any, services: set[str] = frozenset()) -> list[str]:
+def report_memory(
+    cfg: Any, services: set[str] = frozenset(), index: tuple[int, int] | None = None
+) -> list[str]:
     """Print the estimate per GPU (and warn where it will not fit); returns the warnings.
-    Nothing to print for a run without GPUs or a policy whose config.json is not at hand."""
+    Nothing to print for a run without GPUs or a policy whose config.json is not at hand.
+    ``index``: (count, dimension) of the index, for the slices of a GPU share
+    (:func:`index_vectors`)."""
     res = cfg.resources
     if not (res.use_gpu or res.generator_gpus):
         return []
@@ -200,7 +280,10 @@ def report_memory(cfg: Any, services: set[str] = frozenset()) -> list[str]:
                  "machine yet; it is read from a model folder or the Hugging Face cache)")  # fmt: skip
         return []
     gpu_gb = gpu_memory_gb(res)
-    rows = estimate(cfg, shape, gpu_gb, tuple(services))
+    rows = estimate(cfg, shape, gpu_gb, tuple(services), index)
+    if slice_bytes(cfg, (1, 1)) and index is None:
+        log.info("memory per GPU: the index slices are not counted (the index's dimension "
+                 "is not known before it is built; the encoder's files are not here)")  # fmt: skip
     size = f"{gpu_gb:.0f} GB GPUs" if gpu_gb else "GPU size unknown: --resources.gpu_memory_gb"
     lines = [f"memory per GPU ({cfg.model}: {shape.params / 1e9:.2f}B parameters; {size}):"]
     warnings = []
@@ -213,6 +296,19 @@ def report_memory(cfg: Any, services: set[str] = frozenset()) -> list[str]:
             line += (f"; KV cache {row['kv_gb']:.1f} GB of its {row['budget_gb']:.1f}: "
                      f"{row['kv_tokens']:,} tokens, {row['contexts']} full contexts of "
                      f"{cfg.generator.max_context_tokens}")  # fmt: skip
+            if "slice_gb" in row:
+                beside = row["budget_gb"] + row["slice_gb"]
+                line += f"; beside it an index slice {row['slice_gb']:.1f} GB"
+                if row["gpu_gb"] is not None and beside > row["gpu_gb"]:
+                    most = (row["gpu_gb"] - row["slice_gb"]) / row["gpu_gb"]
+                    warnings.append(
+                        f"warning: a generator's vLLM engine takes {row['budget_gb']:.1f} GB "
+                        f"(generator.vllm.gpu_memory_utilization="
+                        f"{cfg.generator.vllm.gpu_memory_utilization:g}) and its GPU's index "
+                        f"slice {row['slice_gb']:.1f} GB: {beside:.1f} GB of a "
+                        f"{row['gpu_gb']:.0f} GB GPU; set --generator.vllm."
+                        f"gpu_memory_utilization {math.floor(most * 100) / 100:.2f} or less"
+                    )
             if row["contexts"] < 1:
                 warnings.append(
                     f"warning: a generator's KV cache ({row['kv_gb']:.1f} GB) cannot hold one "

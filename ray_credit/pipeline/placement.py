@@ -35,6 +35,7 @@ __all__ = [
     "Node",
     "Placement",
     "PlacementError",
+    "SLICE_CPUS",
     "cluster_nodes",
     "evaluation_asks",
     "held_in",
@@ -44,6 +45,7 @@ __all__ = [
     "run_asks",
     "check_storage",
     "scorer_shares_gpu",
+    "slice_hosts",
 ]
 
 PHASES = ("base", "warm_start", "eval_before", "training", "eval_after")
@@ -161,6 +163,46 @@ def scorer_shares_gpu(res: Any) -> bool:
     return share is not None and 0 < share < 1 and res.generator_gpus == 1
 
 
+SLICE_CPUS = 1.0
+"""CPUs of each index slice actor (``resources.retriever_gpu_share``): one thread that
+hands its GPU a matmul and a top-k per search."""
+
+
+def slice_hosts(cfg: Any, *, learners: bool = True) -> list[str]:
+    """The actors whose GPUs hold an index slice each (``resources.retriever_gpu_share``),
+    in slice order: the learner workers, then the generators; none without a share (or
+    with a retriever server). ``learners`` False: the generators only (pipelines/eval.py)."""
+    res = cfg.resources
+    if not res.retriever_gpu_share or cfg.retriever.url:
+        return []
+    hosts = [f"learner {i}" for i in range(res.learner_workers)] if learners else []
+    return hosts + [f"generator {i}" for i in range(res.num_generators)]
+
+
+def _with_slices(
+    asks: list[Ask], hosts: Sequence[str], share: float, phases: tuple[str, ...]
+) -> list[Ask]:
+    """``asks`` with an index slice beside each host: the host asks the rest of its GPU
+    in all ``phases`` (its bundle is reserved before the retriever starts, and kept), the
+    slice ``share`` of it, both in one unit of placement (with what already shared the
+    host's GPU: the info-gain scorer on generator 0's)."""
+    if not hosts:
+        return asks
+    tags = {a.share: f"slice {hosts.index(a.name)}" for a in asks if a.name in hosts and a.share}
+    out, slices = [], []
+    for ask in asks:
+        if ask.name in hosts:
+            tag = f"slice {hosts.index(ask.name)}"
+            out.append(Ask(ask.name, ask.cpus, ask.gpus - share, ask.custom, phases, share=tag))
+            slices.append(Ask(f"index slice {hosts.index(ask.name)}", SLICE_CPUS, share, {},
+                              phases, share=tag))  # fmt: skip
+        elif ask.share in tags:
+            out.append(Ask(ask.name, ask.cpus, ask.gpus, ask.custom, ask.phases, tags[ask.share]))
+        else:
+            out.append(ask)
+    return out + sorted(slices, key=lambda a: int(a.name.rsplit(" ", 1)[1]))
+
+
 def run_asks(cfg: Any, services: set[str]) -> list[Ask]:
     """What each actor of the run ``cfg`` asks for, and when it is up (``services``: the
     plan's, ``{"judge", "scorer"}`` or fewer)."""
@@ -218,7 +260,8 @@ def run_asks(cfg: Any, services: set[str]) -> list[Ask]:
     if ev.enabled and not on_training:
         asks.append(Ask("evaluation generator", res.eval_cpus, res.generator_gpus,
                         res.custom("generator"), ("eval_before", "eval_after")))  # fmt: skip
-    return asks
+    # a share's run has no warm-start (RunConfig refuses it): its phases begin after one
+    return _with_slices(asks, slice_hosts(cfg), res.retriever_gpu_share, after)
 
 
 def evaluation_asks(cfg: Any) -> list[Ask]:
@@ -231,11 +274,13 @@ def evaluation_asks(cfg: Any) -> list[Ask]:
             res.retriever_gpus, res.custom("service"), (EVALUATION,))
         for i in range(res.retriever_replicas)
     ]  # fmt: skip
-    return asks + [
+    asks += [
         Ask(f"generator {i}", res.generator_cpus, res.generator_gpus, res.custom("generator"),
             (EVALUATION,))
         for i in range(res.num_generators)
     ]  # fmt: skip
+    hosts = slice_hosts(cfg, learners=False)
+    return _with_slices(asks, hosts, res.retriever_gpu_share, (EVALUATION,))
 
 
 def place(asks: Sequence[Ask], nodes: Sequence[Node], source: str) -> Placement:
@@ -281,7 +326,7 @@ def held_in(asks: Sequence[Ask], phase: str) -> dict[str, float]:
             for name, amount in {"CPU": ask.cpus, "GPU": ask.gpus, **ask.custom}.items():
                 if amount:
                     held[name] = held.get(name, 0.0) + amount
-    return held
+    return {name: round(amount, 9) for name, amount in held.items()}  # 0.9 + 0.1: 1
 
 
 def _check_totals(asks: Sequence[Ask], nodes: Sequence[Node], phase: str) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from ray_credit.config import check_config
 from ray_credit.log import log, setup_logging
 from ray_credit.pipeline.evaluation import eval_metrics, evaluate_policy, report_change
-from ray_credit.pipeline.memory import report_memory
+from ray_credit.pipeline.memory import index_vectors, report_memory
 from ray_credit.pipeline.outputs import RunOutputs
 from ray_credit.pipeline.placement import run_asks
 from ray_credit.pipeline.plan import make_plan
@@ -51,6 +51,7 @@ from ray_credit.pipeline.services import (
     make_learner,
     make_retriever,
     make_scorer,
+    reserve_slice_bundles,
     resource_demand,
     shared_gpu_bundle,
     wait_started,
@@ -97,7 +98,8 @@ def train(
         log.info(f"note: departs from {departure}")
     plan = replace(plan, departures=(*plan.departures, *setup))  # kept in the summary
     preflight(cfg, rl_q)
-    report_memory(cfg, plan.services)  # per GPU, estimated; a warning where it will not fit
+    # per GPU, estimated (the index slices of a GPU share too); a warning where it will not fit
+    report_memory(cfg, plan.services, index_vectors(cfg, corpus))
     if cfg.resume is not None:  # the newest whole checkpoint in the folder given
         cfg = replace(cfg, resume=str(check_resume_folder(cfg.resume)))
     resumed_step = outputs.resume(cfg.resume)
@@ -109,20 +111,24 @@ def train(
         + (f"; RL draws from the {len(rl_q)} the warm-start does not demonstrate"
            if len(rl_q) < len(train_q) else "")
     )  # fmt: skip
-    retrievers = make_retriever(corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder)
+    # With retriever_gpu_share, the learners' and generators' GPUs are reserved first: the
+    # retriever's index slices start there, then the learner and the generators beside them.
+    slices = reserve_slice_bundles(cfg, plan)
+    retrievers = make_retriever(corpus, cfg.retriever, cfg.resources, cfg.retriever.index_folder,
+                                slices)  # fmt: skip
     retriever = retrievers[0]  # the warm-start's and the evaluation's
     summary = outputs.open(cfg, run_config, plan.estimator.name, plan, resumed_step)
     # The warm-start: every actor below then loads the warm-started policy as its model.
     if cfg.warm_start.enabled:
         cfg = _warm_start(cfg, retriever, train_q, eval_q, titles, outputs)
     summary["policy"] = cfg.model  # what every actor below loads
-    learner = make_learner(cfg)
+    learner = make_learner(cfg, slices)
     # The generators (and the scorer, on its own GPU or on generator 0's); the evaluations
     # run on them unless eval.generators is 'own'.
-    shared = shared_gpu_bundle(cfg, plan)
+    shared = shared_gpu_bundle(cfg, plan, slices)
     scorer = make_scorer(cfg, plan, shared) if "scorer" in plan.services else None
     generators = make_generators(cfg.model, retrievers, cfg, cfg.generator, prefix="gen",
-                                 shared=shared)  # fmt: skip
+                                 shared=shared, slices=slices)  # fmt: skip
     wait_started({"info-gain scorer": scorer} if scorer is not None else {})
     wait_started({f"generator {i}": g for i, g in enumerate(generators)})
     evaluators = generators if cfg.eval.generators == "training" else ()
@@ -174,6 +180,8 @@ def train(
     summary["seconds"] = time.perf_counter() - t_start
     outputs.close()
     learner.shutdown()
+    if slices is not None:  # the index slices and their GPUs' reservation
+        slices.remove()
     out = outputs.out
     log.info(f"wrote {out}/summary.json, {out}/plot.png, {out}/metrics.jsonl, checkpoint "
              f"{pipe_cfg.checkpoint_dir}")  # fmt: skip

@@ -8,7 +8,7 @@ import math
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray_credit.actors.generator import GeneratorConfig
@@ -17,6 +17,7 @@ from ray_credit.models import REHEARSAL_ENV, device_for
 from ray_credit.pipeline.configs import JudgeConfig, ResourcesConfig, RetrieverConfig
 from ray_credit.pipeline.placement import (
     PHASES,
+    SLICE_CPUS,
     Ask,
     PlacementError,
     check_storage,
@@ -39,8 +40,10 @@ __all__ = [
     "make_learner",
     "make_retriever",
     "make_scorer",
+    "reserve_slice_bundles",
     "resource_demand",
     "shared_gpu_bundle",
+    "SliceBundles",
     "wait_started",
 ]
 
@@ -163,15 +166,81 @@ def _shortage(demand: Mapping[str, float], have: Mapping[str, float]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class SliceBundles:
+    """The GPUs that hold an index slice each (``resources.retriever_gpu_share``): one
+    placement-group bundle per learner worker and per generator, each one GPU and the CPUs
+    of its host and its slice, reserved before the retriever starts and kept for the run.
+    The retriever starts slice i in bundle i (:meth:`hosts`); the learner and the
+    generators then start in theirs, asking the rest of the GPU."""
+
+    share: float
+    learners: Any  # a placement group, or None (pipelines/eval.py has no learner)
+    generators: Any
+
+    def hosts(self) -> list[tuple[Any, int]]:
+        """(group, bundle index) of each slice, learners first (the plan's order)."""
+        return [(group, i) for group in (self.learners, self.generators)
+                if group is not None for i in range(len(group.bundle_specs))]  # fmt: skip
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in (self.learners, self.generators):
+            if group is not None:
+                remove_placement_group(group)
+
+
+def reserve_slice_bundles(
+    cfg: Any, plan: Plan | None = None, *, learners: bool = True
+) -> SliceBundles | None:
+    """The bundles of :class:`SliceBundles` (None without a share, or with a retriever
+    server); generator 0's holds the info-gain scorer's CPUs too when the scorer shares
+    its GPU (``plan``'s services; :func:`shared_gpu_bundle`). A reservation the cluster
+    cannot place within ``pipeline.timeout_s`` (or ten minutes) fails naming what it
+    asked for."""
+    res = cfg.resources
+    if not res.retriever_gpu_share or cfg.retriever.url:
+        return None
+    from ray_credit.actors.learner_group import reserve_bundles
+
+    pipeline = getattr(cfg, "pipeline", None)  # pipelines/eval.py's config has none
+    timeout_s = pipeline.timeout_s if pipeline is not None else getattr(cfg, "timeout_s", 600.0)
+
+    def group(role: str, count: int, cpus: float, first_cpus: float = 0.0) -> Any:
+        bundle = {"CPU": cpus + SLICE_CPUS, "GPU": 1.0, **res.custom(role)}
+        bundles = [{**bundle, "CPU": bundle["CPU"] + (first_cpus if i == 0 else 0.0)}
+                   for i in range(count)]  # fmt: skip
+        return reserve_bundles(bundles, timeout_s=timeout_s,
+                               name=f"the {role}s' GPUs with their index slices")  # fmt: skip
+
+    scorer = plan is not None and "scorer" in plan.services and scorer_shares_gpu(res)
+    return SliceBundles(
+        res.retriever_gpu_share,
+        group("learner", res.learner_workers, res.learner_cpus) if learners else None,
+        group(
+            "generator",
+            res.num_generators,
+            res.generator_cpus,
+            res.generator_cpus if scorer else 0.0,
+        ),  # fmt: skip
+    )
+
+
 def make_retriever(
-    corpus: Any, cfg: RetrieverConfig, res: ResourcesConfig, index_folder: str | None
+    corpus: Any,
+    cfg: RetrieverConfig,
+    res: ResourcesConfig,
+    index_folder: str | None,
+    slices: SliceBundles | None = None,
 ) -> list:
     """What generators search: a client of the server at ``cfg.url`` (each generator gets
     its own copy), else ``res.retriever_replicas`` retriever actors over ``corpus``, each a
     :class:`~ray_credit.actors.generator.NamedActor` (generators, which Ray may restart,
     get its name, not its handle). The index (``index_folder``; None: the shared index
     cache, see ``RetrieverConfig.index_folder``) is built by the first replica, once,
-    before the others start: they only open it."""
+    before the others start: they only open it. ``slices``: the retriever holds the index
+    in slices on a share of those GPUs (:class:`SliceBundles`), not whole."""
     if cfg.url:
         from ray_credit.actors.retrieval_server import RemoteRetriever
 
@@ -198,6 +267,7 @@ def make_retriever(
             num_gpus=res.retriever_gpus,
             resources=res.custom("service"),
             name=name,
+            slices=None if slices is None else (slices.hosts(), slices.share, SLICE_CPUS),
         )
         if i == 0:  # it loads, or builds once, the index before any other starts
             wait_started({"retriever": handle})
@@ -244,13 +314,17 @@ def make_generators(
     count: int | None = None,
     num_cpus: float | None = None,
     shared: Any = None,
+    slices: SliceBundles | None = None,
 ) -> list:
     """``count`` (default ``resources.num_generators``) generator actors named ``prefix0``,
     ... (None: unnamed), searching ``retriever`` (a list: generator i searches entry i mod
     its length), each with ``num_cpus`` (default ``resources.generator_cpus``), the
     GPUs and the custom generator resource of ``cfg.resources``. ``shared``: the bundle
     (:func:`shared_gpu_bundle`) generator 0 shares with the scorer: it asks the GPU's rest
-    and its vLLM engine takes that share of the memory it would take alone."""
+    and its vLLM engine takes that share of the memory it would take alone. ``slices``:
+    generator i starts in its bundle of :class:`SliceBundles`, asking the GPU's rest beside
+    index slice i (its vLLM engine's memory is generator.vllm's, of the whole GPU: the
+    memory plan adds the slice to it)."""
     from ray_credit.actors.generator import make_generator_actor
 
     res = cfg.resources
@@ -258,9 +332,11 @@ def make_generators(
     actors = []
     for i in range(res.num_generators if count is None else count):
         gen, gpus, options = generator, res.generator_gpus, {"resources": res.custom("generator")}
+        if slices is not None:
+            gpus, options = gpus - slices.share, _in_bundle(slices.generators, i)
         if shared is not None and i == 0:
-            rest = res.generator_gpus - res.scorer_gpus
-            gpus, options = rest, _in_bundle(shared)
+            rest = res.generator_gpus - res.scorer_gpus  # of the memory: the slice's is apart
+            gpus, options = gpus - res.scorer_gpus, _in_bundle(shared)
             util = generator.vllm.gpu_memory_utilization * rest
             gen = replace(generator, vllm=replace(generator.vllm, gpu_memory_utilization=util))
             if generator.backend == "vllm":
@@ -284,23 +360,27 @@ def make_generators(
     return actors
 
 
-def shared_gpu_bundle(cfg: Any, plan: Plan) -> Any:
+def shared_gpu_bundle(cfg: Any, plan: Plan, slices: SliceBundles | None = None) -> Any:
     """A placement group of one bundle, one GPU and the CPUs of two generators, that
     generator 0 and the info-gain scorer start in (``resources.scorer_gpus`` below 1:
-    :func:`~ray_credit.pipeline.placement.scorer_shares_gpu`); None when they do not share."""
+    :func:`~ray_credit.pipeline.placement.scorer_shares_gpu`); None when they do not share.
+    With ``slices``, the generators' group, whose bundle 0 holds generator 0, the scorer
+    and index slice beside them (:func:`reserve_slice_bundles`)."""
     res = cfg.resources
     if "scorer" not in plan.services or not scorer_shares_gpu(res):
         return None
+    if slices is not None:
+        return slices.generators
     from ray.util.placement_group import placement_group
 
     bundle = {"CPU": 2 * res.generator_cpus, "GPU": 1.0, **res.custom("generator")}
     return placement_group([bundle], name="generator0-and-scorer")
 
 
-def _in_bundle(group: Any) -> dict:
+def _in_bundle(group: Any, index: int = 0) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0)}
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)}
 
 
 def make_judge_pool(cfg: JudgeConfig, res: ResourcesConfig):
@@ -347,10 +427,13 @@ def make_scorer(cfg: Any, plan: Plan, shared: Any = None):
     )
 
 
-def make_learner(cfg: Any):
+def make_learner(cfg: Any, slices: SliceBundles | None = None):
+    """The learner group; with ``slices``, its workers start in their bundles of
+    :class:`SliceBundles`, each asking its GPU's rest beside an index slice."""
     from ray_credit.actors.learner_group import LearnerGroup
 
     res = cfg.resources
+    gpus = res.learner_gpus - (slices.share if slices is not None else 0.0)
     return LearnerGroup(
         cfg.model,
         cfg.learner,
@@ -358,10 +441,11 @@ def make_learner(cfg: Any):
         use_gpu=res.use_gpu,
         resources_per_worker={
             "CPU": res.learner_cpus,
-            **({"GPU": res.learner_gpus} if res.use_gpu else {}),
+            **({"GPU": gpus} if res.use_gpu else {}),
             **res.custom("learner"),
         },
         resume_from=None if cfg.resume is None else StoragePath(cfg.resume) / "learner",
         timeout_s=cfg.pipeline.timeout_s,
         strategy=res.learner_strategy,
+        placement_group=None if slices is None else slices.learners,
     )

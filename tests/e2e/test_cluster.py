@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -289,8 +290,9 @@ def test_search_r1_yaml_rehearsed_on_a_local_ray_of_8_logical_gpus(tmp_path):
     NQ + HotpotQA parquet with its per-source ids and prompts, the gzipped corpus, a faiss
     index downloaded in two parts and joined with cat), on a local Ray the script starts
     with 8 logical GPUs: the plan puts the 4 FSDP learner workers and the 4 generators on
-    a GPU each, every actor starts (none waits), the index is imported and checked, the
-    test file is evaluated whole, and the run goes through its checkpoints."""
+    a GPU each, with a slice of the index beside each (the slices on CPUs here), every
+    actor starts (none waits), the index is imported and checked, the test file is
+    evaluated whole, and the run goes through its checkpoints."""
     from tests.search_r1_files import write_search_r1_files
 
     files = write_search_r1_files(tmp_path)
@@ -309,6 +311,9 @@ def test_search_r1_yaml_rehearsed_on_a_local_ray_of_8_logical_gpus(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     text = out.stdout + out.stderr
     assert "placement (a local Ray; 1 of 1 node(s) used, 8 GPU(s))" in text
+    # the index in 8 slices, one beside each learner worker and generator, searched as one
+    assert re.search(r"index slice 7 +this machine +7 \(0\.1\)", text), text[-3000:]
+    assert re.search(r"retriever: \d+ vectors of \S+e5_Flat.index in 8 slices of", text)
     assert "ids repeat across data sources" in text and "bring their own prompt" in text
     assert "note: departs from search-r1: pipeline.max_staleness = 1" in text
     summary = _summary(tmp_path / "runs", "search-r1-3b")

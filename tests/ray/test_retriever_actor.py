@@ -207,6 +207,46 @@ def test_a_service_actor_that_fails_to_start_is_named_with_its_cause(ray_cluster
         wait_started({"retriever": bad})
 
 
+def test_an_index_in_slices_finds_what_the_whole_index_finds(ray_cluster, actor):
+    """resources.retriever_gpu_share's retriever: the flat index in two slice actors, each
+    in its bundle (here of CPUs: the share's GPUs are left out), searched as one."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    queries = list(QUERIES)
+    group = placement_group([{"CPU": 0.25}] * 2)
+    ray_cluster.get(group.ready())
+    sliced = make_retriever_actor(CORPUS_DOCS, num_cpus=0.25, max_restarts=0,
+                                  slices=([(group, 0), (group, 1)], 0.0, 0.25))  # fmt: skip
+    try:
+        info = ray_cluster.get(sliced.info.remote())
+        assert len(info["index_gpus"]) == 2 and not info["index_on_gpu"]
+        assert info["num_docs"] == len(CORPUS_DOCS)
+        for topk in (1, 3, len(CORPUS_DOCS)):
+            whole, parts = ray_cluster.get([actor.search.remote(queries, topk),
+                                            sliced.search.remote(queries, topk)])  # fmt: skip
+            assert [[h["id"] for h in q] for q in parts] == [[h["id"] for h in q] for q in whole]
+            for q_parts, q_whole in zip(parts, whole, strict=True):
+                assert [h["score"] for h in q_parts] == pytest.approx(
+                    [h["score"] for h in q_whole], abs=1e-5
+                )
+        # the slices die with the retriever that owns them, and their bundles are free
+        ray_cluster.kill(sliced)
+        sliced = None
+        probe = ray_cluster.remote(num_cpus=0.25)(_placed).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, 1)
+        )
+        assert ray_cluster.get(probe.remote(), timeout=60) == "placed"
+    finally:
+        if sliced is not None:
+            ray_cluster.kill(sliced)
+        remove_placement_group(group)
+
+
+def _placed() -> str:
+    return "placed"
+
+
 @pytest.mark.e2e  # three retriever actors: the second test command
 def test_retriever_replicas_open_the_index_the_first_one_built(ray_cluster, tmp_path):
     from ray_credit.pipeline.configs import ResourcesConfig, RetrieverConfig

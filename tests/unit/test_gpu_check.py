@@ -18,8 +18,9 @@ def test_the_dry_run_sets_up_every_check_without_a_gpu():
     out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True,
                          text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "6 checks set up, nothing run on a GPU" in out.stdout
-    for check in ("vllm", "raw", "learner", "faiss", "pipeline", "scale"):
+    assert "8 checks set up, nothing run on a GPU" in out.stdout
+    for check in ("transformers", "slices", "vllm", "raw", "learner", "faiss", "pipeline",
+                  "scale"):  # fmt: skip
         assert f"  {check}" in out.stdout
     # the pipeline it would run is one a local Ray of one GPU places
     assert "--resources.learner_gpus 0.5 --resources.generator_gpus 0.4" in out.stdout
@@ -44,7 +45,7 @@ def test_the_pipeline_check_places_on_one_gpu():
     from ray_credit.pipeline.configs import load_config
     from ray_credit.pipeline.placement import local_nodes, place, run_asks
 
-    args = argparse.Namespace(raw_tokens=128, faiss_docs=1000)
+    args = argparse.Namespace(raw_tokens=128, faiss_docs=1000, slice_rows=1000)
     argv = settings(args)["pipeline"][2:]
     cfg = load_config(run_config_class(ROOT / "pipelines" / "tspo.py", "TSPORun"), "tspo", argv)
     placement = place(run_asks(cfg, set()), local_nodes(cfg.resources, 16), "one GPU")

@@ -57,7 +57,9 @@ def test_search_r1_yaml_fills_one_8_gpu_node_and_evaluates_on_the_training_gener
     placement = _placed(cfg, "tspo", EIGHT_GPUS)
     learner = sorted(g for i in range(4) for g, _ in _gpus(placement, f"learner {i}"))
     generators = sorted(g for i in range(4) for g, _ in _gpus(placement, f"generator {i}"))
-    assert learner == [0, 1, 2, 3] and generators == [4, 5, 6, 7]  # one GPU each, none shared
+    assert learner == [0, 1, 2, 3] and generators == [4, 5, 6, 7]  # one GPU each...
+    for i in range(8):  # ...with the index slice beside each
+        assert _gpus(placement, f"index slice {i}") == [(i, 0.1)]
     assert _gpus(placement, "retriever") == []
     assert not any(a.name.startswith("evaluation") for a in placement.asks)
     assert placement.peak["GPU"][0] == 8
@@ -65,7 +67,7 @@ def test_search_r1_yaml_fills_one_8_gpu_node_and_evaluates_on_the_training_gener
     assert "generator 3" in table and "most held at once" in table and "8 GPU" in table
     # the same on a local Ray of 8 logical GPUs: the demand the script starts it with
     demand = resource_demand(cfg, make_plan(cfg, "tspo", QUESTIONS))
-    assert demand["GPU"] == 8 and demand["CPU"] == 80
+    assert demand["GPU"] == 8 and demand["CPU"] == 88  # 16 + 4 x 8 + 4 x 8 + 8 slices x 1
 
 
 def test_every_pipeline_places_search_r1_yaml_on_8_gpus_the_scorer_sharing_when_asked():
@@ -77,14 +79,18 @@ def test_every_pipeline_places_search_r1_yaml_on_8_gpus_the_scorer_sharing_when_
             with pytest.raises(PlacementError) as err:
                 _placed(cfg, method, EIGHT_GPUS)
             message = str(err.value)
-            assert "needs 9 GPU at once: 4 learners x 1 + 1 info-gain scorer x 1 + 4 " in message
+            assert (
+                "needs 9 GPU at once: 4 learners x 0.9 + 1 info-gain scorer x 1 + 4 "
+                "generators x 0.9 + 8 index slices x 0.1 = 9"
+            ) in message
             assert "the nodes have 8" in message and "--resources.scorer_gpus 0.25" in message
             # ...or a quarter of generator 0's
             cfg = _config(method, cls, "--config", str(CONFIGS / "search_r1.yaml"),
                           "--resources.scorer_gpus", "0.25")  # fmt: skip
             placement = _placed(cfg, method, EIGHT_GPUS)
             ((gpu, share),) = _gpus(placement, "info-gain scorer")
-            assert _gpus(placement, "generator 0") == [(gpu, 0.75)] and share == 0.25
+            assert share == 0.25 and _gpus(placement, "index slice 4") == [(gpu, 0.1)]
+            assert _gpus(placement, "generator 0") == [(gpu, pytest.approx(0.65))]
         else:
             placement = _placed(cfg, method, EIGHT_GPUS)
         assert placement.peak["GPU"][0] == 8, method
@@ -92,7 +98,7 @@ def test_every_pipeline_places_search_r1_yaml_on_8_gpus_the_scorer_sharing_when_
 
 def test_an_evaluation_generator_of_its_own_runs_only_when_trainings_are_not_up():
     cfg = _config("tspo", "TSPORun", "--config", str(CONFIGS / "search_r1.yaml"),
-                  "--eval.generators", "own")  # fmt: skip
+                  "--eval.generators", "own", "--resources.retriever_gpu_share", "0")  # fmt: skip
     placement = _placed(cfg, "tspo", EIGHT_GPUS)
     ask = next(a for a in placement.asks if a.name == "evaluation generator")
     assert ask.phases == ("eval_before", "eval_after")
@@ -120,21 +126,21 @@ def test_aws_yaml_is_placed_on_the_node_types_of_cluster_yaml_and_stores_in_a_bu
 
 def test_a_plan_that_cannot_fit_is_refused_with_the_arithmetic():
     cfg = _config("tspo", "TSPORun", "--config", str(CONFIGS / "search_r1.yaml"))
-    with pytest.raises(PlacementError, match=r"needs 8 GPU at once: 4 learners x 1 \+ 4 "
-                       r"generators x 1 = 8; the nodes have 4"):  # fmt: skip
+    with pytest.raises(PlacementError, match=r"needs 8 GPU at once: 4 learners x 0.9 \+ 4 "
+                       r"generators x 0.9 \+ 8 index slices x 0.1 = 8; the nodes have 4"):  # fmt: skip
         _placed(cfg, "tspo", [Node("this machine", 96, 4)])
-    with pytest.raises(PlacementError, match="needs 80 CPU at once.*the nodes have 32.*local_cpus"):
+    with pytest.raises(PlacementError, match="needs 88 CPU at once.*the nodes have 32.*local_cpus"):
         _placed(cfg, "tspo", [Node("this machine", 32, 8)])
     # two nodes of 4 GPUs hold 4 learner workers and 4 generators...
     two = [Node("a", 16, 4), Node("b", 16, 4)]
     cfg = _config("tspo", "TSPORun", "--config", str(CONFIGS / "search_r1.yaml"),
                   "--resources.retriever_cpus", "1", "--resources.learner_cpus", "4",
-                  "--resources.generator_cpus", "2")  # fmt: skip
+                  "--resources.generator_cpus", "2", "--resources.retriever_gpu_share", "0")  # fmt: skip
     placement = _placed(cfg, "tspo", two)
     assert placement.peak["GPU"][0] == 8 and placement.peak["CPU"][0] == 25
     cfg = _config("tspo", "TSPORun", "--config", str(CONFIGS / "search_r1.yaml"),
                   "--resources.retriever_cpus", "3", "--resources.learner_cpus", "2",
-                  "--resources.generator_cpus", "5")  # fmt: skip
+                  "--resources.generator_cpus", "5", "--resources.retriever_gpu_share", "0")  # fmt: skip
     # ...but with 31 of 32 CPUs and 8 of 8 GPUs asked, three generators leave node a one
     # CPU beside its last GPU: the sums fit, the actors do not
     with pytest.raises(PlacementError, match="no node can hold learner 3 .*free then: a: 1 CPU"):

@@ -99,6 +99,11 @@ def test_the_readme_command_on_search_r1_files_is_placed_on_8_gpus(files, monkey
     learners = sorted(g for i in range(4) for g, _ in placement.spots[f"learner {i}"].gpus)
     generators = sorted(g for i in range(4) for g, _ in placement.spots[f"generator {i}"].gpus)
     assert learners == [0, 1, 2, 3] and generators == [4, 5, 6, 7]
+    # the index in 8 slices, one on each GPU beside its learner or generator
+    hosts = [*(f"learner {i}" for i in range(4)), *(f"generator {i}" for i in range(4))]
+    for i, host in enumerate(hosts):
+        assert placement.spots[f"index slice {i}"].gpus == ((placement.spots[host].gpus[0][0],
+                                                            0.1),)  # fmt: skip
     assert demand["GPU"] == 8 and cfg.retriever.index_file == str(joined)
 
 
