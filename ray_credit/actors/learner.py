@@ -25,6 +25,8 @@ Off-policy correction (``off_policy``; docs/architecture.md, the asynchronous lo
 * ``"tis"``: the ratio is taken against the learner's own logprobs at the start of the
   update (the proximal policy), and each token's loss is multiplied by the truncated
   importance weight ``min(pi_prox / pi_behavior, is_cap)``; truncated tokens are counted.
+  With one optimizer step per update its own forward gives the proximal logprobs
+  (detached); with more, one no-grad pass before the first.
 * ``"decoupled"``: decoupled PPO (AReaL): the same proximal ratio, weight
   ``pi_prox / pi_behavior``; tokens whose weight exceeds ``is_cap`` are left out of the
   loss, and counted.
@@ -423,8 +425,17 @@ class Learner:
             # decay still move weights)
             self.counters["learner/zero_gradient_batches"] += 1
             return self._finish(self._zero_steps(len(schedule)), tensors, n, start)
+        # The proximal log-probs are the policy's at the start of the update. With one
+        # optimizer step (one epoch of one mini-batch: on every rank alike) that step's own
+        # forward runs on those weights: it fills them in (detached) as it goes, and no
+        # pass of their own is run. With more, the later steps need them from before.
+        own_pass = len(schedule) > 1
         if self.config.off_policy != "none":
-            data["proximal"] = self._logprobs_no_grad(self.model, data, lengths, needed)
+            data["proximal"] = (
+                self._logprobs_no_grad(self.model, data, lengths, needed)
+                if own_pass
+                else torch.zeros_like(data["behavior"])
+            )
         if self.reference is not None:
             data["reference"] = self._logprobs_no_grad(self.reference, data, lengths, needed)
         elif self._kl_to_base:  # LoRA: the initial policy is the model with adapters off
@@ -434,7 +445,10 @@ class Learner:
         totals: dict[str, float] = {}
         ratio_max = 0.0
         for rows in schedule:
-            step_metrics = self._optimizer_step(data, lengths, torch.as_tensor(rows), live[rows])
+            step_metrics = self._optimizer_step(
+                data, lengths, torch.as_tensor(rows), live[rows],
+                fill_proximal=self.config.off_policy != "none" and not own_pass,
+            )  # fmt: skip
             ratio_max = max(ratio_max, step_metrics.pop("ratio_max"))
             for key, value in step_metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -505,11 +519,15 @@ class Learner:
             return {}
         return {"memory/learner_rss_gb": rss, "memory/learner_peak_gb": peak}
 
-    def _optimizer_step(self, data: dict, lengths, rows, live: np.ndarray) -> dict[str, float]:
+    def _optimizer_step(
+        self, data: dict, lengths, rows, live: np.ndarray, *, fill_proximal: bool = False
+    ) -> dict[str, float]:
         """One optimizer step on the mini-batch ``rows``; only the ``live`` ones (see
         :meth:`_rows_with_gradient`) go through the model, and the token metrics
         (entropy, clip fraction, ratios) are theirs. A rank with no live row runs one
-        zeroed pass, for the collectives and for AdamW to see a zero gradient."""
+        zeroed pass, for the collectives and for AdamW to see a zero gradient.
+        ``fill_proximal``: the weights are the update's first, so each pass's log-probs,
+        detached, are its rows' proximal ones (``data["proximal"]``, filled in here)."""
         import torch
 
         from ray_credit.losses import entropy_from_logits, kl_penalty, policy_loss_per_token
@@ -541,6 +559,10 @@ class Learner:
                 logits = self._logits(self.train_model, data, index, sl)
                 targets = data["input_ids"][index, sl.start + 1 : width].to(self.device)
                 logp = token_logprobs(logits, targets)
+                if fill_proximal and not dummy:
+                    data["proximal"][index, sl] = (
+                        logp.detach().float().cpu() * data["mask"][index, sl]
+                    )
                 old = data["proximal" if config.off_policy != "none" else "behavior"]
                 pg = policy_loss_per_token(
                     logp, old[index, sl].to(self.device), data["advantages"][index, sl].to(self.device),
@@ -970,27 +992,32 @@ def resolve_autocast(device: Any, dtype: str | None) -> str | None:
 
 @functools.cache
 def _auto_autocast(kind: str) -> str | None:
-    import torch
-
-    if kind == "cuda":
-        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        where = "this GPU supports bfloat16" if native else "this GPU has no bfloat16"
-    elif kind == "cpu":
-        found = cpu_has_native_bf16()
-        native = found is True
-        where = {
-            True: "this CPU has bfloat16 instructions",
-            False: "this CPU has no bfloat16 instructions (no AVX512-BF16, no AMX), where "
-            "torch would emulate them",
-            None: "this torch cannot tell whether this CPU has bfloat16 instructions",
-        }[found]
-    else:
-        native, where = False, f"no bfloat16 autocast is chosen for {kind} devices"
+    native, where = native_bf16(kind)
     chosen = "bfloat16" if native else None
     logging.getLogger(__name__).info(
         f"autocast 'auto': {'bfloat16' if native else 'off (float32)'} on {kind}: {where}"
     )
     return chosen
+
+
+@functools.cache
+def native_bf16(kind: str) -> tuple[bool, str]:
+    """Whether devices of type ``kind`` ('cuda', 'cpu', ...) compute bfloat16 natively
+    (a CUDA GPU that supports it, a CPU with AVX512-BF16 or AMX), and why, in words."""
+    import torch
+
+    if kind == "cuda":
+        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return native, "this GPU supports bfloat16" if native else "this GPU has no bfloat16"
+    if kind == "cpu":
+        found = cpu_has_native_bf16()
+        return found is True, {
+            True: "this CPU has bfloat16 instructions",
+            False: "this CPU has no bfloat16 instructions (no AVX512-BF16, no AMX), where "
+            "torch would emulate them",
+            None: "this torch cannot tell whether this CPU has bfloat16 instructions",
+        }[found]
+    return False, f"bfloat16 is not chosen for {kind} devices"
 
 
 def cpu_has_native_bf16() -> bool | None:

@@ -170,6 +170,28 @@ def test_off_policy_corrections(batch):
         assert metrics["learner/is_weight_mean"] == pytest.approx(expected, abs=1e-5), mode
 
 
+def test_one_optimizer_step_takes_its_proximal_log_probs_from_its_own_forward(batch, monkeypatch):
+    """With one optimizer step per update the step's forward runs on the weights the
+    update starts from: its log-probs, detached, are the proximal ones, and no pass of
+    their own is run (a whole forward over the batch saved). With two mini-batches the
+    second steps on moved weights: one pass before the update gives them."""
+    from ray_credit.actors.learner import Learner
+
+    calls = []
+    original = Learner._logprobs_no_grad
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Learner, "_logprobs_no_grad", counted)
+    metrics = _learner(LearnerConfig(lr=1e-3, off_policy="tis")).train(batch)
+    assert calls == [] and metrics["learner/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["learner/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    metrics = _learner(LearnerConfig(lr=1e-3, off_policy="tis", mini_batches=2)).train(batch)
+    assert calls == [1] and metrics["learner/optimizer_steps"] == 2
+
+
 def test_nonfinite_gradient_skips_the_step_and_is_counted(batch):
     # A batch refuses inf advantages (with_turn_columns validates), but the largest finite
     # float32 advantage still overflows the gradient's sums to inf.
@@ -466,8 +488,8 @@ def test_an_updates_ratio_max_and_token_rate_are_the_whole_updates(batch):
     seen = []
     step = learner._optimizer_step
 
-    def recording(*args):
-        out = step(*args)
+    def recording(*args, **kwargs):
+        out = step(*args, **kwargs)
         seen.append(out["ratio_max"])
         return out
 
@@ -523,6 +545,7 @@ def test_auto_autocast_is_bfloat16_only_where_the_cpu_has_it_and_says_so(
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     learner_module._auto_autocast.cache_clear()
+    learner_module.native_bf16.cache_clear()
     learner_module._warn_emulated_bf16.cache_clear()
     with _learner_log() as records:
         assert learner_module.resolve_autocast("cpu", "auto") == chosen
@@ -532,6 +555,7 @@ def test_auto_autocast_is_bfloat16_only_where_the_cpu_has_it_and_says_so(
         with learner_module.autocast("cpu", "auto"):
             assert torch.is_autocast_enabled("cpu") == (chosen is not None)
     learner_module._auto_autocast.cache_clear()
+    learner_module.native_bf16.cache_clear()
     learner_module._warn_emulated_bf16.cache_clear()
     said = [r.getMessage() for r in records]
     assert len(said) == 1 and said[0].startswith("autocast 'auto': ")
