@@ -64,6 +64,8 @@ _CHATML = (
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 DTYPES = get_args(Dtype)
 """The dtypes a model can be loaded in."""
+GeneratorDtype = Literal["float32", "bfloat16", "float16", "auto", "native"]
+"""A generator's dtypes: :data:`Dtype`'s, and ``"native"`` (:func:`resolve_dtype`)."""
 Autocast = Literal["auto", "bfloat16", "float16"]
 """The dtypes ``torch.autocast`` may run a model's matmuls in (None: off); ``"auto"``:
 bfloat16 where the device runs it natively (a CUDA GPU with bf16, a CPU with AVX512-BF16
@@ -87,6 +89,20 @@ def device_for(gpus: float) -> str:
     """Where an actor asking Ray for ``gpus`` computes: CUDA, unless it asks none or the
     run is a CPU rehearsal."""
     return "cuda" if gpus and not cpu_rehearsal() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype ``dtype`` means on ``device``: itself, except ``"native"``: bfloat16 where
+    the device computes it natively (a CUDA GPU that supports it, a CPU with AVX512-BF16
+    or AMX), else float32 (other CPUs emulate bfloat16, many times slower)."""
+    if dtype != "native":
+        return dtype
+    import torch
+
+    from ray_credit.actors.learner import native_bf16
+
+    native, _ = native_bf16(torch.device(device).type)
+    return "bfloat16" if native else "float32"
 
 
 def cache_dir() -> Path:

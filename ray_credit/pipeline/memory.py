@@ -52,7 +52,7 @@ __all__ = [
 GB = 1024**3
 _VLLM_OVERHEAD_GB = 2.0  # CUDA context, graphs and the sampler's buffers, per engine
 _LEARNER_OVERHEAD_GB = 1.0  # CUDA context and the allocator's slack, per worker
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2, "native": 2}  # GPUs: bf16
 # Measured (bench/memory_terms.py): what an update holds per position and vocabulary entry
 # (bytes, forward and backward), and per token and layer the elements (in the activations'
 # dtype) per hidden and per intermediate unit that a block keeps for its backward.

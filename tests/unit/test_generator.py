@@ -403,3 +403,25 @@ def test_a_question_s_own_prompt_is_the_prompt_used_as_given(tiny):
     )
     template = gen.prompt_ids(QUESTIONS[1]["question"])  # no messages: the template's
     assert "Question:" in tokenizer.decode(template) and template != gen.sampler.contexts[0][0]
+
+
+@pytest.mark.parametrize(("native", "chosen"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_native_dtype_is_bfloat16_where_the_device_computes_it(monkeypatch, native, chosen):
+    """generator.dtype 'native' (the embedded run's): bfloat16 on a CPU with bfloat16
+    instructions, float32 on one that would emulate them; said once, the log-probs still
+    those of the model as loaded (bf16 rounding is what learner.off_policy 'tis' weighs)."""
+    from ray_credit.actors import learner as learner_module
+    from ray_credit.models import resolve_dtype
+
+    monkeypatch.setattr(learner_module, "cpu_has_native_bf16", lambda: native)
+    learner_module.native_bf16.cache_clear()
+    try:
+        assert resolve_dtype("native", "cpu") == str(chosen).removeprefix("torch.")
+        assert resolve_dtype("float16", "cpu") == "float16"
+        config = GeneratorConfig(dtype="native", max_turns=2, max_new_tokens=8, group_size=2)
+        gen = Generator("tiny-random", WordRetriever(), config)
+        assert next(gen.sampler.model.parameters()).dtype == chosen
+        batch = gen.generate(QUESTIONS[:1])
+        assert max_logprob_gap(gen.sampler.model, batch) < (0.05 if native else 1e-4)
+    finally:
+        learner_module.native_bf16.cache_clear()
