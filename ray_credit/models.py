@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import os
 import shutil
@@ -65,7 +66,8 @@ Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 DTYPES = get_args(Dtype)
 """The dtypes a model can be loaded in."""
 GeneratorDtype = Literal["float32", "bfloat16", "float16", "auto", "native"]
-"""A generator's dtypes: :data:`Dtype`'s, and ``"native"`` (:func:`resolve_dtype`)."""
+GENERATOR_DTYPES = get_args(GeneratorDtype)
+"""A generator's dtypes: :data:`DTYPES`, and ``"native"`` (:func:`resolve_dtype`)."""
 Autocast = Literal["auto", "bfloat16", "float16"]
 """The dtypes ``torch.autocast`` may run a model's matmuls in (None: off); ``"auto"``:
 bfloat16 where the device runs it natively (a CUDA GPU with bf16, a CPU with AVX512-BF16
@@ -99,10 +101,42 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return dtype
     import torch
 
-    from ray_credit.actors.learner import native_bf16
-
     native, _ = native_bf16(torch.device(device).type)
     return "bfloat16" if native else "float32"
+
+
+@functools.cache
+def native_bf16(kind: str) -> tuple[bool, str]:
+    """Whether devices of type ``kind`` ('cuda', 'cpu', ...) compute bfloat16 natively
+    (a CUDA GPU that supports it, a CPU with AVX512-BF16 or AMX), and why, in words."""
+    import torch
+
+    if kind == "cuda":
+        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return native, "this GPU supports bfloat16" if native else "this GPU has no bfloat16"
+    if kind == "cpu":
+        found = cpu_has_native_bf16()
+        return found is True, {
+            True: "this CPU has bfloat16 instructions",
+            False: "this CPU has no bfloat16 instructions (no AVX512-BF16, no AMX), where "
+            "torch would emulate them",
+            None: "this torch cannot tell whether this CPU has bfloat16 instructions",
+        }[found]
+    return False, f"bfloat16 is not chosen for {kind} devices"
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX); None where this
+    torch cannot tell."""
+    import torch
+
+    probes = [getattr(torch.cpu, name, None) for name in _BF16_PROBES]
+    if not all(callable(probe) for probe in probes):
+        return None
+    return any(probe() for probe in probes)
+
+
+_BF16_PROBES = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
 
 
 def cache_dir() -> Path:

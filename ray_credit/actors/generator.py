@@ -774,9 +774,8 @@ def _make_sampler(model, cfg: GeneratorConfig, *, device: str) -> Sampler:
 
         import torch
 
-        from ray_credit.actors.learner import native_bf16
         from ray_credit.log import log
-        from ray_credit.models import resolve_dtype
+        from ray_credit.models import native_bf16, resolve_dtype
 
         cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
         _, why = native_bf16(torch.device(device).type)

@@ -61,7 +61,14 @@ from ray_credit.actors.lora import (
 from ray_credit.batch import TrajectoryBatch
 from ray_credit.config import check_fields
 from ray_credit.losses import KLKind, PolicyLossConfig
-from ray_credit.models import AttnImplementation, Autocast, Dtype, load_model
+from ray_credit.models import (
+    AttnImplementation,
+    Autocast,
+    Dtype,
+    cpu_has_native_bf16,
+    load_model,
+    native_bf16,
+)
 from ray_credit.process_memory import PeakMeter, memory_report
 from ray_credit.storage import StoragePath
 
@@ -998,40 +1005,6 @@ def _auto_autocast(kind: str) -> str | None:
         f"autocast 'auto': {'bfloat16' if native else 'off (float32)'} on {kind}: {where}"
     )
     return chosen
-
-
-@functools.cache
-def native_bf16(kind: str) -> tuple[bool, str]:
-    """Whether devices of type ``kind`` ('cuda', 'cpu', ...) compute bfloat16 natively
-    (a CUDA GPU that supports it, a CPU with AVX512-BF16 or AMX), and why, in words."""
-    import torch
-
-    if kind == "cuda":
-        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return native, "this GPU supports bfloat16" if native else "this GPU has no bfloat16"
-    if kind == "cpu":
-        found = cpu_has_native_bf16()
-        return found is True, {
-            True: "this CPU has bfloat16 instructions",
-            False: "this CPU has no bfloat16 instructions (no AVX512-BF16, no AMX), where "
-            "torch would emulate them",
-            None: "this torch cannot tell whether this CPU has bfloat16 instructions",
-        }[found]
-    return False, f"bfloat16 is not chosen for {kind} devices"
-
-
-def cpu_has_native_bf16() -> bool | None:
-    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX); None where this
-    torch cannot tell."""
-    import torch
-
-    probes = [getattr(torch.cpu, name, None) for name in _BF16_PROBES]
-    if not all(callable(probe) for probe in probes):
-        return None
-    return any(probe() for probe in probes)
-
-
-_BF16_PROBES = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
 
 
 @functools.cache

@@ -466,7 +466,7 @@ ENUMERATED = {
     "generator.action_style": "{tags,tool_call}",
     "generator.reward": "{em,subem,f1}",
     "generator.backend": "{transformers,vllm}",
-    "generator.dtype": "{float32,bfloat16,float16,auto}",
+    "generator.dtype": "{float32,bfloat16,float16,auto,native}",
     "learner.lr_schedule": "{constant,linear,cosine}",
     "learner.kl_kind": "{k1,abs,k2,k3,kl,mse,low_var_kl,k1+,abs+,k2+,k3+,kl+,mse+,low_var_kl+}",
     "learner.off_policy": "{none,tis,decoupled}",
@@ -498,13 +498,13 @@ def test_the_module_constants_are_the_literals_choices():
     from ray_credit.config import _hints
     from ray_credit.estimators import _group, tspo
     from ray_credit.losses import AGG_MODES, PolicyLossConfig
-    from ray_credit.models import DTYPES
+    from ray_credit.models import DTYPES, GENERATOR_DTYPES
     from ray_credit.pipeline.configs import JudgeConfig
 
     pairs = [
         (AGG_MODES, PolicyLossConfig, "agg_mode"),
         (DTYPES, learner.LearnerConfig, "dtype"),
-        (DTYPES, generator.GeneratorConfig, "dtype"),
+        (GENERATOR_DTYPES, generator.GeneratorConfig, "dtype"),
         (learner.OFF_POLICY, learner.LearnerConfig, "off_policy"),
         (generator.BACKENDS, generator.GeneratorConfig, "backend"),
         (tuple(generator._REWARDS), generator.GeneratorConfig, "reward"),

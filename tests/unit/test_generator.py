@@ -410,11 +410,11 @@ def test_native_dtype_is_bfloat16_where_the_device_computes_it(monkeypatch, nati
     """generator.dtype 'native' (the embedded run's): bfloat16 on a CPU with bfloat16
     instructions, float32 on one that would emulate them; said once, the log-probs still
     those of the model as loaded (bf16 rounding is what learner.off_policy 'tis' weighs)."""
-    from ray_credit.actors import learner as learner_module
+    from ray_credit import models
     from ray_credit.models import resolve_dtype
 
-    monkeypatch.setattr(learner_module, "cpu_has_native_bf16", lambda: native)
-    learner_module.native_bf16.cache_clear()
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: native)
+    models.native_bf16.cache_clear()
     try:
         assert resolve_dtype("native", "cpu") == str(chosen).removeprefix("torch.")
         assert resolve_dtype("float16", "cpu") == "float16"
@@ -424,4 +424,4 @@ def test_native_dtype_is_bfloat16_where_the_device_computes_it(monkeypatch, nati
         batch = gen.generate(QUESTIONS[:1])
         assert max_logprob_gap(gen.sampler.model, batch) < (0.05 if native else 1e-4)
     finally:
-        learner_module.native_bf16.cache_clear()
+        models.native_bf16.cache_clear()

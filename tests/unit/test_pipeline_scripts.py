@@ -263,7 +263,7 @@ def test_generator_backend_settings_and_refusals(capsys):
 
     run = load("tspo.py", "TSPORun")
     cfg = load_config(run, "tspo", [], default_config=EMBEDDED)
-    assert cfg.generator.backend == "vllm" and cfg.generator.dtype == "float32"
+    assert cfg.generator.backend == "vllm" and cfg.generator.dtype == "native"
     cfg = load_config(
         run, "tspo",
         ["--generator.vllm.kv_cache_gb", "3", "--generator.vllm.max_model_len", "4096",
