@@ -35,6 +35,7 @@ __all__ = [
     "IndexConfig",
     "check_index_config",
     "check_index_folder",
+    "check_query_embeddings",
     "check_whole_folder",
     "faiss_module",
     "index_file_of",
@@ -461,13 +462,18 @@ class DenseIndex:
 
     def search(self, embeddings: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(scores, rows)``, each ``(len(embeddings), k)``; row -1 where faiss found fewer."""
-        if embeddings.ndim != 2 or embeddings.shape[1] != self.manifest["dim"]:
-            raise ValueError(
-                f"query embeddings have shape {embeddings.shape}, the index holds vectors of "
-                f"dimension {self.manifest['dim']}; embed queries with the index's encoder "
-                f"({self.manifest['encoder']['name']!r})"
-            )
+        check_query_embeddings(self.manifest, embeddings)
         return self.index.search(np.ascontiguousarray(embeddings, dtype=np.float32), k)
+
+
+def check_query_embeddings(manifest: dict[str, Any], embeddings: np.ndarray) -> None:
+    """Refuse query embeddings that are not ``(n, dim)`` of the index of ``manifest``."""
+    if embeddings.ndim != 2 or embeddings.shape[1] != manifest["dim"]:
+        raise ValueError(
+            f"query embeddings have shape {embeddings.shape}, the index holds vectors of "
+            f"dimension {manifest['dim']}; embed queries with the index's encoder "
+            f"({manifest['encoder']['name']!r})"
+        )
 
 
 def replace_serving(config: IndexConfig, **serving: Any) -> IndexConfig:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_credit.actors.dense_index import IndexConfig, index_file_of
+from ray_credit.actors.dense_index import IndexConfig, check_query_embeddings, index_file_of
 from ray_credit.actors.flat_slices import FlatSlice, merge_topk, read_flat_layout, slice_bounds
 from ray_credit.config import InputError
 from ray_credit.log import log
@@ -174,13 +174,7 @@ class SlicedIndex:
         """``(scores, rows)``, each ``(len(embeddings), k)``, best first, over every slice."""
         import ray
 
-        dim = self.manifest["dim"]
-        if embeddings.ndim != 2 or embeddings.shape[1] != dim:
-            raise ValueError(
-                f"query embeddings have shape {embeddings.shape}, the index holds vectors of "
-                f"dimension {dim}; embed queries with the index's encoder "
-                f"({self.manifest['encoder']['name']!r})"
-            )
+        check_query_embeddings(self.manifest, embeddings)
         queries = ray.put(np.ascontiguousarray(embeddings, dtype=np.float32))
         parts = ray.get([a.search.remote(queries, k) for a in self.actors])
         return merge_topk(parts, k)
