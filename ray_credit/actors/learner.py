@@ -646,6 +646,9 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             return norm
         self.optimizer.step()
+        # the gradients are not read again before the next step's first backward: freed
+        # now, not held between updates (the policy's size again, in float32)
+        self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         return norm
 

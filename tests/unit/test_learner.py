@@ -114,6 +114,16 @@ def test_epochs_and_mini_batches_count_optimizer_steps(batch):
     assert metrics["learner/clipfrac"] >= 0.0 and metrics["learner/approx_kl"] != 0.0
 
 
+def test_gradients_are_freed_after_each_optimizer_step(batch):
+    learner = GradRecorder(load_model("tiny-random"), LearnerConfig(lr=1e-3, mini_batches=2))
+    learner.train(batch)
+    assert any(g.abs().sum() > 0 for g in learner.grads.values())  # there was a gradient
+    assert all(p.grad is None for p in learner.model.parameters())  # and none is held now
+    before = _weights(learner)
+    learner.train(batch)  # the next update accumulates from zero, as before
+    assert any(not torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+
+
 def test_kl_reference_only_when_asked(batch):
     assert _learner().reference is None  # kl_coef = 0: no reference model in memory
     learner = _learner(LearnerConfig(lr=1e-2, kl_coef=0.5, epochs=2, mini_batches=2))
