@@ -563,9 +563,10 @@ class Learner:
             m = data["mask"][index, sl].to(self.device)
             w = weights[part, sl].to(self.device)
             with self.world.no_sync(self.train_model) if i < count - 1 else _null():
-                logits = self._logits(self.train_model, data, index, sl)
+                logits, cols = self._logits(self.train_model, data, index, sl)
                 targets = data["input_ids"][index, sl.start + 1 : width].to(self.device)
-                logp = token_logprobs(logits, targets)
+                span = sl.stop - sl.start
+                logp = spread(token_logprobs(logits, targets[:, cols]), cols, span)
                 if fill_proximal and not dummy:
                     data["proximal"][index, sl] = (
                         logp.detach().float().cpu() * data["mask"][index, sl]
@@ -584,9 +585,12 @@ class Learner:
                     if not dummy:
                         sums["is_weight_mean"] += float((is_weight * m).sum())
                         sums["is_limited"] += float((limited * m).sum())
-                entropy = entropy_from_logits(
-                    logits.float() if config.entropy_coef else logits.detach().float()
-                )
+                entropy = spread(
+                    entropy_from_logits(
+                        logits.float() if config.entropy_coef else logits.detach().float()
+                    ),
+                    cols, span,
+                )  # fmt: skip
                 loss = (per_token * w).sum()
                 kl = None
                 if "reference" in data:
@@ -708,28 +712,41 @@ class Learner:
         return self.config.share_prefix and not isinstance(self.world, TorchDistributed)
 
     def _logits(self, model, data: dict, index, span: slice):
-        """Tempered logits of the positions in ``span`` (target-aligned: position t
-        predicts token t+1). Only those go through the vocabulary projection: a prompt
-        and the observations before the first trained token need none, and on a 49k
-        vocabulary that projection is a third of a small model's forward and backward."""
+        """Tempered logits of the target positions in ``span`` (position t predicts token
+        t+1) that a row of the micro-batch trains on, and those positions, relative to
+        ``span.start`` (a 1-D tensor; :func:`spread` puts per-position values back in
+        place). Only they go through the vocabulary projection: a prompt and the
+        observations between turns need none, and on a 49k vocabulary that projection and
+        its float32 logits are a third of a small model's forward and backward."""
+        import torch
+
         width = span.stop + 1
         ids = data["input_ids"][index, :width].to(self.device)
         attention = data["attention_mask"][index, :width].to(self.device)
-        keep = width - span.start
+        cols = data["mask"][index, span].any(0).nonzero()[:, 0]
+        if len(cols) == 0:  # no row trains here (a pass run for the collectives): one
+            cols = torch.tensor([span.stop - span.start - 1])
+        cols = cols.to(self.device)
         shared = shared_prefix_length(ids, attention, span.start) if self._sharing else 0
         with autocast(self.device, self.config.autocast):
             if shared >= MIN_SHARED_PREFIX and len(ids) > 1:
-                head = model(input_ids=ids[:1, :shared], use_cache=True).past_key_values
+                # the prompt's keys and values only: one position's logits (0 means all)
+                head = model(
+                    input_ids=ids[:1, :shared], use_cache=True, logits_to_keep=1
+                ).past_key_values
                 head.batch_repeat_interleave(len(ids))  # keeps the graph: grads add up
                 out = model(
                     input_ids=ids[:, shared:], attention_mask=attention,
-                    past_key_values=head, use_cache=False, logits_to_keep=keep,
+                    past_key_values=head, use_cache=False,
+                    logits_to_keep=span.start - shared + cols,
                 )  # fmt: skip
             else:
-                out = model(input_ids=ids, attention_mask=attention, logits_to_keep=keep)
-        logits = out.logits[:, :-1].float()
+                out = model(
+                    input_ids=ids, attention_mask=attention, logits_to_keep=span.start + cols
+                )
+        logits = out.logits.float()
         t = self.config.temperature
-        return logits if t == 1.0 else logits / t
+        return (logits if t == 1.0 else logits / t), cols
 
     def _logprobs_no_grad(self, model, data: dict, lengths, rows: np.ndarray):
         """Per-token logprobs of ``model`` on ``rows`` (targets-aligned, CPU; 0 elsewhere)."""
@@ -741,11 +758,12 @@ class Learner:
                 index = torch.as_tensor(rows[part])
                 width = int(lengths[index].max())
                 sl = trained_span(data["mask"][index], width)
-                logits = self._logits(model, data, index, sl)
+                logits, cols = self._logits(model, data, index, sl)
                 if dummy:
                     continue
                 ids = data["input_ids"][index, sl.start + 1 : width].to(self.device)
-                out[index, sl] = token_logprobs(logits, ids).float().cpu()
+                logp = token_logprobs(logits, ids[:, cols])
+                out[index, sl] = spread(logp, cols, sl.stop - sl.start).float().cpu()
         self.world.release(model)
         return out * data["mask"]
 
@@ -1019,6 +1037,15 @@ def _warn_emulated_bf16() -> None:
             "as in float32 on such a CPU (docs/benchmarks.md). Set autocast to null "
             "(learner.autocast, warm_start.autocast) unless this is a test of it"
         )
+
+
+def spread(values, cols, width: int):
+    """``values`` (rows x len(cols)) put at columns ``cols`` of a rows x ``width`` tensor
+    of zeros (differentiable in ``values``)."""
+    import torch
+
+    out = torch.zeros(values.shape[0], width, dtype=values.dtype, device=values.device)
+    return out.index_copy(1, cols, values)
 
 
 def token_logprobs(logits, targets):

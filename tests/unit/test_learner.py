@@ -353,9 +353,9 @@ def test_missing_advantages_is_a_clear_error(batch):
 
 @pytest.mark.parametrize("budget", [64, 10**6])  # several passes; one, prompts shared
 def test_logprobs_of_the_trained_span_equal_a_full_forward(batch, budget):
-    """Only positions from the first trained token on go through the vocabulary projection,
-    and a shared prompt through the model once; the log-probs there equal those of a
-    forward pass over every position of each row."""
+    """Only the positions a row trains on go through the vocabulary projection, and a
+    shared prompt through the model once; the log-probs there equal those of a forward
+    pass over every position of each row."""
     learner = _learner(LearnerConfig(lr=1e-3, micro_batch_tokens=budget))
     tensors = batch.to_torch(pad_token_id=int(learner.tokenizer.pad_token_id))
     data = {
@@ -372,6 +372,29 @@ def test_logprobs_of_the_trained_span_equal_a_full_forward(batch, budget):
     for row in rows:
         expected = _sequence_logprob(learner, batch, row)
         assert float(ours[row].sum()) == pytest.approx(expected, abs=1e-4)
+
+
+def test_only_trained_positions_go_through_the_vocabulary_projection(batch, monkeypatch):
+    """The observations between turns lie inside the trained span but train nothing: the
+    projection to the vocabulary (and its logits) skips them, in training and in the
+    log-prob passes alike, and the update still moves the weights."""
+    learner = _learner(LearnerConfig(lr=1e-3, micro_batch_tokens=10**6, off_policy="tis"))
+    mask = batch.to_torch(pad_token_id=0)["loss_mask"][:, 1:]
+    first = int(mask.any(0).nonzero()[0])
+    span = mask.shape[1] - first
+    trained = int(mask.any(0).sum())
+    assert trained < span  # the batch has observations between its turns
+    projected = []
+    head = learner.model.lm_head
+    monkeypatch.setattr(
+        head, "forward", lambda x, real=head.forward: projected.append(x.shape[1]) or real(x)
+    )
+    before = _weights(learner)
+    learner.train(batch)
+    # one micro-batch: its shared prompt's pass projects one position, its rows' pass the
+    # trained ones
+    assert projected == [1, trained]
+    assert _max_diff(before, learner.model.state_dict()) > 0
 
 
 def test_autocast_trains_float32_weights_near_the_float32_update(batch):
