@@ -25,6 +25,7 @@ __all__ = [
     "PeakMeter",
     "memory_report",
     "node_memory",
+    "proportional_gb",
     "ray_processes_gb",
     "release_free_memory",
     "resident_gb",
@@ -39,6 +40,38 @@ def resident_gb(pid: int | None = None) -> float | None:
     """Resident memory (RSS) of this process, or of ``pid``, in GiB; None where the
     platform does not say (no ``/proc``) or the process is gone."""
     return _status_gb("VmRSS", pid)
+
+
+def proportional_gb(pid: int | None = None) -> dict[str, float] | None:
+    """Proportional memory of this process, or of ``pid``, in GiB (Linux's
+    ``smaps_rollup``): ``pss``, its resident pages with each page shared with other
+    processes split among them (a library's code that five processes map counts a fifth
+    in each), and of it ``anon`` (heap: tensors, Python objects), ``file`` (mapped
+    files: libraries, memory-mapped indexes) and ``shmem`` (shared memory: Ray's object
+    store, where a process reads an object without a copy); ``rss`` as :func:`resident_gb` for
+    comparison. Summed over processes, ``pss`` counts every page once: the physical
+    memory they hold together, where summed RSS counts shared pages once per process.
+    None where the platform does not say (no ``/proc``, or not ours to read)."""
+    path = Path(f"/proc/{'self' if pid is None else pid}/smaps_rollup")
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    fields = {}
+    for line in text.splitlines()[1:]:
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            fields[key] = int(parts[0]) * 1024 / GiB
+    if "Pss" not in fields:
+        return None
+    return {
+        "pss": fields["Pss"],
+        "anon": fields.get("Pss_Anon", 0.0),
+        "file": fields.get("Pss_File", 0.0),
+        "shmem": fields.get("Pss_Shmem", 0.0),
+        "rss": fields.get("Rss", 0.0),
+    }
 
 
 def _status_gb(field: str, pid: int | None = None) -> float | None:

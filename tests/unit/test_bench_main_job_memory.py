@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from main_job_memory import failures, main, report  # noqa: E402
+from main_job_memory import JobMemory, failures, job_peak, main, report, role_of  # noqa: E402
 
 
 def _rows(learner: list[float], *, node: list[float] | None = None) -> list[dict]:
@@ -64,3 +64,64 @@ def test_the_command_reads_a_runs_metrics_and_exits_1_on_growth(tmp_path, capsys
     assert json.loads(out.read_text())["failures"] == [
         "learner grows by 0.200 GB per step after step 2 (bound 0.05 GB)"
     ]
+
+
+def test_each_process_of_the_job_is_given_its_role():
+    assert role_of("python pipelines/tspo.py", driver=True) == "driver"
+    assert role_of("ray::_LearnerWorker.train") == "learner"
+    assert role_of("ray::Generator.generate") == "generator"
+    assert role_of("ray::RayTrainWorker") == "warm-start"
+    assert role_of("/usr/bin/cc1plus -O2", parent_role="generator") == "generator"  # its helper
+    assert role_of("ray::IDLE", parent_role="ray") == "ray"
+    assert role_of("/ray/core/src/ray/raylet/raylet", parent_role="driver") == "ray"
+
+
+def test_the_jobs_peak_is_the_highest_sum_at_one_moment_not_the_sum_of_peaks():
+    samples = [
+        {"seconds": 1, "pss_gb": 6.0, "rss_gb": 7.0, "roles_pss_gb": {"learner": 5.0, "ray": 1.0}},
+        {"seconds": 2, "pss_gb": 7.0, "rss_gb": 9.0,
+         "roles_pss_gb": {"learner": 2.0, "generator": 4.0, "ray": 1.0}},
+    ]  # fmt: skip
+    peak = job_peak(samples)
+    assert (peak["peak_pss_gb"], peak["at_seconds"], peak["rss_gb_then"]) == (7.0, 2, 9.0)
+    assert list(peak["roles_pss_gb_then"]) == ["generator", "learner", "ray"]
+    assert peak["roles_highest_pss_gb"] == {"learner": 5.0, "ray": 1.0, "generator": 4.0}
+    rep = {"roles": {}, "job": peak}
+    assert failures(rep, 0.05, None, max_job_gb=8) == []
+    assert failures(rep, 0.05, None, max_job_gb=6.5) == [
+        "the job's processes held 7.00 GB together at their peak (bound 6.5 GB)"
+    ]
+    assert job_peak([]) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_meter_reads_a_process_and_what_it_started():
+    import subprocess
+
+    code = (
+        "import subprocess, sys, time; block = bytearray(b'x' * (200 * 2**20)); "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+        "time.sleep(30)"
+    )
+    job = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        meter = JobMemory(job.pid, every=0.2)
+        import time
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (
+            meter.samples and "ray" in meter.samples[-1]["roles_pss_gb"]
+        ):
+            time.sleep(0.2)
+        meter.stop()
+    finally:
+        import psutil
+
+        for child in psutil.Process(job.pid).children(recursive=True):
+            child.kill()
+        job.kill()
+        job.wait()
+    last = meter.samples[-1]
+    assert last["roles_pss_gb"]["driver"] > 0.19  # the 200 MiB block, the job's root
+    assert last["roles_pss_gb"]["ray"] > 0  # its child (no actor's name): counted too
+    assert last["rss_gb"] >= last["pss_gb"]

@@ -11,6 +11,7 @@ from ray_credit.process_memory import (
     PeakMeter,
     memory_report,
     node_memory,
+    proportional_gb,
     ray_processes_gb,
     release_free_memory,
     resident_gb,
@@ -56,3 +57,29 @@ def test_node_memory_and_ray_processes_of_another_session_are_not_counted():
     node = node_memory()
     assert 0 < node["used"] < node["total"]
     assert ray_processes_gb("/tmp/ray/no_such_session_folder") == 0.0
+
+
+@linux
+def test_proportional_memory_counts_a_page_two_processes_share_once():
+    import os
+    import signal
+    import time
+
+    block = bytearray(b"x" * (300 * 2**20))  # 300 MiB, touched, then shared with a fork
+    child = os.fork()
+    if child == 0:  # the copy-on-write child holds the same pages and waits
+        time.sleep(60)
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        ours, theirs = proportional_gb(), proportional_gb(child)
+        both_rss = ours["rss"] + theirs["rss"]
+        both_pss = ours["pss"] + theirs["pss"]
+        assert both_rss - both_pss > 0.25  # the block counted twice in RSS, once in PSS
+        assert ours["anon"] > 0.13 and theirs["anon"] > 0.13  # half of it each
+        assert ours["pss"] == pytest.approx(ours["anon"] + ours["file"] + ours["shmem"])
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    del block
+    assert proportional_gb(child) is None  # gone
