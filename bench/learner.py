@@ -1,4 +1,4 @@
-"""Learner throughput: one policy update on search-agent trajectories, four ways.
+"""Learner throughput: one policy update on search-agent trajectories, five ways.
 
     python bench/learner.py                       # SmolLM2-135M, 4 questions x G=8
     python bench/learner.py --model tiny-random   # seconds, for a smoke test
@@ -9,11 +9,14 @@ search), each repeated ``--group_size`` times as a GRPO group's rows share their
 with random non-zero advantages on every turn. The same update is timed with
 
 * ``float32, every position``: the vocabulary projection of every position (what the
-  learner did before it kept only the trained span);
-* ``float32, trained span``: the projection only from the first trained token on;
+  learner did first);
+* ``float32, trained span``: the projection of every position from the first trained
+  token on;
 * ``bf16 autocast, trained span``: ``learner.autocast="bfloat16"`` on top;
-* ``+ shared prompt``: ``learner.share_prefix`` on top (the default): each micro-batch's
-  common prefix through the model once (the three above run every row whole).
+* ``+ shared prompt``: ``learner.share_prefix`` on top: each micro-batch's common prefix
+  through the model once (the three above run every row whole);
+* ``+ trained positions only``: on top, only the positions a row trains on, not the
+  observations between its turns (the learner as it is).
 
 Reports padded and real tokens per second of each (median of ``--repeats`` updates after
 one warm-up) and the ratios to the first, measured in one run; JSON to ``--out``.
@@ -71,15 +74,21 @@ def demonstrations(model: str, count: int, group_size: int):
 
 
 def time_updates(
-    model: str, batch, *, autocast: str | None, every_position: bool, share: bool, repeats: int
+    model: str, batch, *, autocast: str | None, projection: str, share: bool, repeats: int
 ):
+    """Median seconds of an update whose vocabulary projection takes ``projection``:
+    ``"every"`` position, the trained ``"span"`` whole, or the ``"trained"`` positions."""
+    import torch
+
     import ray_credit.actors.learner as learner_module
     from ray_credit.actors.learner import Learner, LearnerConfig
     from ray_credit.models import load_model
 
-    span = learner_module.trained_span
-    if every_position:
+    span, columns = learner_module.trained_span, learner_module.trained_columns
+    if projection == "every":
         learner_module.trained_span = lambda mask, width: slice(0, width - 1)
+    if projection in ("every", "span"):
+        learner_module.trained_columns = lambda mask: torch.arange(mask.shape[1])
     try:
         config = LearnerConfig(
             lr=1e-6, autocast=autocast, micro_batch_tokens=4096, share_prefix=share
@@ -92,7 +101,7 @@ def time_updates(
             if i:  # the first update warms up allocators and kernels
                 seconds.append(time.perf_counter() - start)
     finally:
-        learner_module.trained_span = span
+        learner_module.trained_span, learner_module.trained_columns = span, columns
     return statistics.median(seconds)
 
 
@@ -178,15 +187,16 @@ def main() -> None:
     print(f"{len(batch)} trajectories, {real} tokens ({padded} padded to the longest), "
           f"{int(batch.token_values('loss_mask').sum())} trained")  # fmt: skip
     cases = {
-        "float32, every position": (None, True, False),
-        "float32, trained span": (None, False, False),
-        "bf16 autocast, trained span": ("bfloat16", False, False),
-        "+ shared prompt": ("bfloat16", False, True),
+        "float32, every position": (None, "every", False),
+        "float32, trained span": (None, "span", False),
+        "bf16 autocast, trained span": ("bfloat16", "span", False),
+        "+ shared prompt": ("bfloat16", "span", True),
+        "+ trained positions only": ("bfloat16", "trained", True),
     }
     results = {}
-    for name, (autocast, every, share) in cases.items():
+    for name, (autocast, projection, share) in cases.items():
         s = time_updates(
-            args.model, batch, autocast=autocast, every_position=every, share=share,
+            args.model, batch, autocast=autocast, projection=projection, share=share,
             repeats=args.repeats,
         )  # fmt: skip
         results[name] = {

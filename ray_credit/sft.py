@@ -156,6 +156,7 @@ def _train_loop(config: dict) -> None:
         autocast,
         micro_batches,
         token_logprobs,
+        trained_columns,
         trained_span,
     )
     from ray_credit.models import cpu_rehearsal, load_model
@@ -201,15 +202,18 @@ def _train_loop(config: dict) -> None:
                 part = rows[passes[min(i, len(passes) - 1)]] if passes else step_rows[:1]
                 width = int(lengths[part].max())
                 span = trained_span(mask[part], width)
+                # only the positions a row learns: the observations between turns
+                # need no projection to the vocabulary
+                cols = trained_columns(mask[part, span])
                 last = i == count - 1
                 sync = world.no_sync(model) if not last else _Null()
                 with sync, autocast(device, cfg.autocast):
                     outputs = model(input_ids=ids[part, :width].to(device),
                                     attention_mask=attention[part, :width].to(device),
-                                    logits_to_keep=width - span.start)  # fmt: skip
-                    target = ids[part, span.start + 1 : width].to(device)
-                    nll = -token_logprobs(outputs.logits[:, :-1], target)
-                    m = mask[part, span].to(device)
+                                    logits_to_keep=(span.start + cols).to(device))  # fmt: skip
+                    target = ids[part, span.start + 1 : width][:, cols].to(device)
+                    nll = -token_logprobs(outputs.logits, target)
+                    m = mask[part, span][:, cols].to(device)
                     loss = (nll * m).sum() * (weight * size / max(tokens, 1.0))
                     loss.backward()
                 epoch_loss += weight * float((nll.detach() * m).sum())

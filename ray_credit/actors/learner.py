@@ -318,13 +318,23 @@ class Learner:
     def device(self):
         return next(self.model.parameters()).device
 
-    def get_weights(self) -> dict[str, Any]:
+    def get_weights(self, dtype: str | None = None) -> dict[str, Any]:
         """The policy's full state dict as CPU tensors (what generators and scorers load;
-        with LoRA, the merged weights under the base model's names).
+        with LoRA, the merged weights under the base model's names); its floating-point
+        tensors cast to ``dtype`` when given (``"bfloat16"`` for a bf16 generator, which
+        would round them so itself).
 
         Under FSDP every rank must call it (the shards are gathered); rank 0 gets the
         weights, the others an empty dict."""
-        return self._published(self.world.full_state_dict(self.model))
+        state = self._published(self.world.full_state_dict(self.model))
+        if dtype is None:
+            return state
+        import torch
+
+        cast = getattr(torch, dtype, None)
+        if not isinstance(cast, torch.dtype) or not cast.is_floating_point:
+            raise ValueError(f"weights can be published in a floating-point dtype, not {dtype!r}")
+        return {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
 
     def _published(self, state: dict[str, Any]) -> dict[str, Any]:
         """What others load of a full state dict: the merged weights under LoRA."""
@@ -717,16 +727,11 @@ class Learner:
         ``span.start`` (a 1-D tensor; :func:`spread` puts per-position values back in
         place). Only they go through the vocabulary projection: a prompt and the
         observations between turns need none, and on a 49k vocabulary that projection and
-        its float32 logits are a third of a small model's forward and backward."""
-        import torch
-
+        its float32 logits are a fifth or more of a small model's forward and backward."""
         width = span.stop + 1
         ids = data["input_ids"][index, :width].to(self.device)
         attention = data["attention_mask"][index, :width].to(self.device)
-        cols = data["mask"][index, span].any(0).nonzero()[:, 0]
-        if len(cols) == 0:  # no row trains here (a pass run for the collectives): one
-            cols = torch.tensor([span.stop - span.start - 1])
-        cols = cols.to(self.device)
+        cols = trained_columns(data["mask"][index, span]).to(self.device)
         shared = shared_prefix_length(ids, attention, span.start) if self._sharing else 0
         with autocast(self.device, self.config.autocast):
             if shared >= MIN_SHARED_PREFIX and len(ids) > 1:
@@ -935,6 +940,17 @@ def trained_span(mask, width: int) -> slice:
     trained = mask[:, : width - 1].any(0).nonzero()
     start = int(trained[0]) if len(trained) else width - 2
     return slice(max(start, 0), width - 1)
+
+
+def trained_columns(mask):
+    """The columns of ``mask`` (a micro-batch's loss mask over its trained span, rows x
+    positions) that some row trains on, as a 1-D index tensor: the positions whose
+    logits are needed. The last one when no row trains (a pass run for FSDP's
+    collectives still needs a position)."""
+    import torch
+
+    cols = mask.any(0).nonzero()[:, 0]
+    return cols if len(cols) else torch.tensor([mask.shape[1] - 1])
 
 
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are run whole: not worth a second call
