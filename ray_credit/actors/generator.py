@@ -288,6 +288,7 @@ class Generator:
             )
         self.config = config or GeneratorConfig()
         self.sampler: Sampler = sampler or _make_sampler(model, self.config, device=device)
+        self._weights_dtype = _weights_dtype(self.sampler)
         self.tokenizer = self.sampler.tokenizer
         self.template = load_prompt_template(self.config.prompt_template)
         self._final_prefix_ids = list(
@@ -352,6 +353,11 @@ class Generator:
 
     def get_policy_version(self) -> int:
         return self.policy_version
+
+    def weights_dtype(self) -> str | None:
+        """The dtype the model holds its weights in (``"bfloat16"``, ``"float32"``, ...):
+        weights published in it load unchanged. None where the sampler does not say."""
+        return self._weights_dtype
 
     # ------------------------------------------------------------------ rollouts
     def generate(
@@ -766,6 +772,17 @@ def _sampler_stats(sampler: Sampler) -> dict[str, float]:
     if stats is None:
         return {}
     return {k: float(v) for k, v in stats().items() if k != "kv_reuse_unsupported"}
+
+
+def _weights_dtype(sampler: Any) -> str | None:
+    """The dtype ``sampler``'s model holds its weights in, where it says: a transformers
+    model's parameters', a vLLM engine's (``dtype``); None for another sampler."""
+    model = getattr(sampler, "model", None)
+    if model is not None and hasattr(model, "parameters"):
+        dtype = next(model.parameters()).dtype
+    else:
+        dtype = getattr(sampler, "dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _make_sampler(model, cfg: GeneratorConfig, *, device: str) -> Sampler:

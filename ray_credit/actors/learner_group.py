@@ -264,12 +264,13 @@ class LearnerGroup:
         return versions[0]
 
     # ------------------------------------------------------- weights, checkpoints
-    def weights(self) -> ray.ObjectRef:
-        """An ObjectRef to the policy's full state dict (CPU tensors), without waiting.
+    def weights(self, dtype: str | None = None) -> ray.ObjectRef:
+        """An ObjectRef to the policy's full state dict (CPU tensors; floating-point ones
+        in ``dtype`` when given), without waiting.
 
         Every rank takes part (FSDP gathers the shards at rank 0); the ref is rank 0's
         value, so a rank that fails during an FSDP gather fails it too."""
-        return self._call("get_weights").refs[0]
+        return self._call("get_weights", dtype).refs[0]
 
     def save(self, folder: str | os.PathLike[str] | StoragePath) -> str:
         """Model, optimizer, scheduler, RNG states and counters under ``folder``, a path

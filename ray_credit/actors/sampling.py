@@ -679,6 +679,8 @@ class VLLMSampler:
                 **kwargs,
             )
         self.llm.collective_rpc("use_tempered_logprobs")
+        # what the engine holds its weights in (dtype "auto" resolved by vLLM)
+        self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self.tokenizer = load_tokenizer(model)  # the transformers backend's, pad and template
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self._folder = folder

@@ -128,7 +128,9 @@ def _bring_to(generators: Sequence[Any], learner: Any, version: int, timeout_s: 
     versions = ray.get([g.get_policy_version.remote() for g in generators], timeout=timeout_s)
     behind = [g for g, v in zip(generators, versions, strict=True) if v != version]
     if behind:
-        weights = learner.weights()
+        from ray_credit.pipeline.weights import publication_dtype
+
+        weights = learner.weights(dtype=publication_dtype(behind, timeout_s))
         ray.get([g.update_weights.remote(version, weights) for g in behind], timeout=timeout_s)
 
 

@@ -131,6 +131,7 @@ __all__ = [
 
 _BUFFER_DIR = "buffer"
 _QUEUE_DEPTH = 2
+_UNASKED = object()  # a setting not asked of the actors yet
 """Chunks in flight per generator: the next is queued behind the one running, so a
 generator never idles while the driver hands out its next chunk."""
 # chunks off the run's layout (:meth:`Pipeline._call_of`) take their place past this: no
@@ -514,6 +515,7 @@ class Pipeline:
         # the error names
         self._target_index = {t._actor_id.hex(): i for i, t in enumerate(weight_targets)}
         self._unloaded: dict[int, Any] = {}  # versions published, not yet for the targets
+        self._weights_dtype: Any = _UNASKED  # the publications' dtype, once asked
         self._waiting: list[_Chunk] = []  # generated, waiting for the targets' version
         self.step = 0
         self.version = int(learner.policy_version)
@@ -1150,7 +1152,11 @@ class Pipeline:
         if self.version == 0:  # fresh actors, a fresh learner
             return
         # the actors go on from an earlier run on this learner: nothing to send to them
-        weights = None if self.publisher.sends_itself else self.learner.weights()
+        weights = (
+            None
+            if self.publisher.sends_itself
+            else self.learner.weights(dtype=self._publication_dtype())
+        )
         for publisher in publishers:
             publisher.adopt(self.version, weights if publisher.targets else None)
         for publisher, i in behind:  # Ray restarted it after that run's last publication
@@ -1163,13 +1169,24 @@ class Pipeline:
         if self.publisher.sends_itself:
             self.publisher.publish(self.version, None)
             return
-        weights = self.learner.weights()
+        weights = self.learner.weights(dtype=self._publication_dtype())
         if not isinstance(weights, ray.ObjectRef):  # once in the object store, for both
             weights = ray.put(weights)
         self.publisher.publish(self.version, weights)
         if self.target_publisher.targets:
             self._unloaded[self.version] = weights
             self._advance_targets()
+
+    def _publication_dtype(self) -> str | None:
+        """The dtype every generator and weight target holds its weights in, when they
+        agree on one narrower than float32 (asked once: a bf16 generator's publications
+        then travel at half the size); None: the learner's float32."""
+        if self._weights_dtype is _UNASKED:
+            from ray_credit.pipeline.weights import publication_dtype
+
+            actors = [*self.generators, *self.target_publisher.targets]
+            self._weights_dtype = publication_dtype(actors, self.config.timeout_s)
+        return self._weights_dtype
 
     def _sync_metrics(self) -> dict[str, float]:
         """Running totals of weight transfers: the generators' publications, the weight

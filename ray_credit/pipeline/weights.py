@@ -3,7 +3,10 @@
 :class:`WeightPublisher` puts the learner's state dict in the object store once and asks
 every target (any actor with ``update_weights(version, weights)``: a generator, an
 info-gain scorer) to load it. Ray hands each actor the same object: one copy per node,
-read zero-copy by the actors there.
+read zero-copy by the actors there. Where every target holds its weights in one dtype
+narrower than the learner's float32 (a bf16 generator: :func:`publication_dtype`), the
+learner casts them first: the object is half the size, and the target loads the same
+weights it would have rounded from float32 itself.
 
 Guarantees:
 
@@ -34,7 +37,26 @@ from typing import Any
 
 from ray_credit.actors import actor_lost_errors
 
-__all__ = ["CollectivePublisher", "WeightPublisher", "WeightSyncError"]
+__all__ = ["CollectivePublisher", "WeightPublisher", "WeightSyncError", "publication_dtype"]
+
+
+def publication_dtype(actors: Sequence[Any], timeout_s: float = 300.0) -> str | None:
+    """The dtype to publish weights to ``actors`` in: the one each holds its weights in
+    (``weights_dtype()``, e.g. a bf16 generator's ``"bfloat16"``) when they all agree on
+    one other than float32; None (the learner's own float32) when one differs, does not
+    say, or has no such method."""
+    import ray
+
+    if not actors or not all(hasattr(a, "weights_dtype") for a in actors):
+        return None
+    return common_dtype(ray.get([a.weights_dtype.remote() for a in actors], timeout=timeout_s))
+
+
+def common_dtype(held: Sequence[str | None]) -> str | None:
+    """The dtype all of ``held`` name when it is one other than float32, else None."""
+    if len(set(held)) != 1:
+        return None
+    return None if held[0] in (None, "float32") else held[0]
 
 
 class WeightSyncError(RuntimeError):

@@ -166,6 +166,31 @@ def test_a_run_goes_on_with_the_actors_of_an_earlier_one(ray_cluster, world, liv
     assert _versions(ray_cluster, generators) == [start + 1] * 2 == [learner.policy_version] * 2
 
 
+def test_a_bf16_generator_is_published_bf16_weights(ray_cluster, world, retriever, live):
+    """Where every generator holds bf16 weights, the learner's are cast before they go in
+    the object store (half the bytes); the generator holds what it would have rounded."""
+    import torch
+
+    from ray_credit.pipeline.weights import publication_dtype
+
+    generators, learner = live
+    assert publication_dtype(generators) is None  # float32 generators: the learner's own
+    half = make_generator_actor(
+        "tiny-random", retriever, replace(GEN, dtype="bfloat16"), num_cpus=0.25
+    )
+    try:
+        assert publication_dtype([half, generators[0]]) is None  # they disagree
+        config = PipelineConfig(steps=1, groups_per_step=2, chunk_groups=2)
+        pipe = Pipeline([half], learner, world.questions[:4], [estimator_stage("grpo")], config)
+        assert pipe._publication_dtype() == "bfloat16"  # asked as it was brought current
+        assert ray_cluster.get(half.get_policy_version.remote()) == learner.policy_version
+        expected = ray_cluster.get(learner.weights())
+        got = ray_cluster.get(half.__ray_call__.remote(_model_weights))
+        assert all(torch.equal(got[k], expected[k].to(torch.bfloat16)) for k in expected)
+    finally:
+        ray_cluster.kill(half)
+
+
 def _model_weights(self):
     return {k: v.clone() for k, v in self.sampler.model.state_dict().items()}
 

@@ -326,6 +326,31 @@ def test_dtype_holds_the_policy_and_the_reference():
         LearnerConfig(dtype="bf16")
 
 
+def test_weights_published_in_a_bf16_generators_dtype_load_as_it_would_round_them(batch):
+    """A bf16 generator gets the learner's float32 weights cast to bf16 (half the bytes):
+    it then holds exactly what it would have rounded them to itself."""
+    from ray_credit.pipeline.weights import common_dtype
+
+    learner = _learner()
+    learner.train(batch)
+    full, half = learner.get_weights(), learner.get_weights("bfloat16")
+    assert {v.dtype for v in half.values()} == {torch.bfloat16} and full.keys() == half.keys()
+    assert sum(v.nbytes for v in half.values()) * 2 == sum(v.nbytes for v in full.values())
+    config = GeneratorConfig(group_size=2, max_turns=1, max_new_tokens=4)
+    pair = [load_model("tiny-random", dtype="bfloat16") for _ in range(2)]
+    rounding, given = (Generator(p, WordRetriever(), config) for p in pair)
+    assert rounding.weights_dtype() == given.weights_dtype() == "bfloat16"
+    rounding.update_weights(1, full)
+    given.update_weights(1, half)
+    for name, value in rounding.sampler.model.state_dict().items():
+        assert torch.equal(value, given.sampler.model.state_dict()[name]), name
+    assert common_dtype(["bfloat16", "bfloat16"]) == "bfloat16"
+    assert common_dtype(["bfloat16", "float32"]) is None  # one would lose precision
+    assert common_dtype(["float32"]) is common_dtype([None]) is None
+    with pytest.raises(ValueError, match="floating-point dtype, not 'int8'"):
+        learner.get_weights("int8")
+
+
 def test_temperature_matches_the_generators_behavior_logprobs():
     """Rollouts at T=0.7: the first on-policy ratio is 1 only when the learner divides the
     logits by the same temperature."""

@@ -131,7 +131,10 @@ def _perturbed(model):
 def test_weights_load_in_place_like_the_transformers_model(engine, hf, prompt):
     """New weights change the samples, and greedy output is the transformers sampler's
     on the same weights; a wrong-shaped publication is refused and changes nothing."""
+    from ray_credit.actors.generator import _weights_dtype
+
     model, tokenizer = hf
+    assert engine.dtype == _weights_dtype(engine) == "float32"  # what it is published in
     old = engine.sample([prompt], GREEDY, seed=0)[0].token_ids
     base = {name: value.clone() for name, value in model.state_dict().items()}
     weights = _perturbed(model)
