@@ -9,12 +9,20 @@ the learner's GPU settings (float32 weights under bf16 autocast, rows run whole)
 trajectory, while a dispatch-mode tracker counts the bytes of every live tensor. From
 the peaks of the second update's passes over what the first left held:
 
-* **bytes per logit**: the difference between two vocabularies over (trained positions x
-  the vocabulary's difference): the projection, its float32 copy, the log-softmax, the
-  entropy's temporaries and their gradients;
+* **bytes per logit**: what the difference between two vocabularies adds per trained
+  position, from two turn lengths (the projection, its float32 copy, the log-softmax,
+  the entropy's temporaries and their gradients; not the embedding's gradient and bf16
+  copy, which the vocabulary sizes whatever the positions);
 * **bytes per token and layer**, per hidden and per intermediate unit: from the
   difference between two layer counts, at two intermediate widths;
+* **autocast's copies**: what the parameters add whatever the tokens (the bf16 copies of
+  the float32 weights that the matmuls save for the backward pass), over their float32
+  bytes, from the two layer counts;
 * **AdamW's step**: its transient over the parameters' float32 bytes.
+
+Each model runs at two turn lengths, so that what each token adds comes apart from what
+the parameters size. The gradients are kept between the updates (zeroed in place, where
+the learner frees them): the estimate counts them apart.
 
 Each is printed beside the constant :mod:`ray_credit.pipeline.memory` estimates with.
 Tensors only (no allocator, no CUDA context); on a GPU some kernels keep less (fused
@@ -116,6 +124,10 @@ def update_bytes(vocab: int, layers: int, intermediate: int, *, prompt: int, tur
         learner = Learner((model.eval(), PadOnlyTokenizer()), config)
         logits = learner._logits
         learner._logits = lambda *a, **k: _noted(logits(*a, **k), positions)
+        # the estimate counts the gradients apart: kept between the updates (zeroed in
+        # place), they are in what the first update leaves held, not in the terms measured
+        zero_grad = learner.optimizer.zero_grad
+        learner.optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=False)
         learner._optimizer_step = tracker.during("passes", learner._optimizer_step)
         learner._clip_and_step = tracker.during("optimizer", learner._clip_and_step)
         learner.train(batch)
@@ -126,36 +138,52 @@ def update_bytes(vocab: int, layers: int, intermediate: int, *, prompt: int, tur
             "tokens": prompt + turn, "positions": max(positions), "param_bytes": params}  # fmt: skip
 
 
-def _noted(logits, positions: list):
+def _noted(projected, positions: list):
+    logits, _ = projected  # (logits of the positions projected, their columns)
     positions.append(logits.shape[0] * logits.shape[1])
-    return logits
+    return projected
 
 
 def measure(*, prompt: int = 64, turn: int = 1024, vocabs=(8000, 16000), layers=(2, 6),
             intermediates=(512, 1024)) -> dict:  # fmt: skip
-    """The terms (bytes), from five updates."""
+    """The terms (bytes), from ten updates: each model at two turn lengths, so that what
+    each token (or trained position) adds comes apart from what the parameters size
+    whatever the tokens (their bf16 copies under autocast)."""
     v1, v2 = vocabs
     l1, l2 = layers
     i1, i2 = intermediates
-    run = {"prompt": prompt, "turn": turn}
-    small_v = update_bytes(v1, l1, i1, **run)
-    large_v = update_bytes(v2, l1, i1, **run)
-    logit = (large_v["passes"] - small_v["passes"]) / (small_v["positions"] * (v2 - v1))
-    per_layer = {}
+
+    def slopes(vocab, layers, inter):
+        long = update_bytes(vocab, layers, inter, prompt=prompt, turn=turn)
+        short = update_bytes(vocab, layers, inter, prompt=prompt, turn=turn // 2)
+        rise = long["passes"] - short["passes"]
+        per_token = rise / (long["tokens"] - short["tokens"])
+        return {"per_token": per_token, "per_position": rise / (long["positions"] - short["positions"]),
+                "fixed": long["passes"] - per_token * long["tokens"], "long": long}  # fmt: skip
+
+    base = slopes(v1, l1, i1)
+    wide = slopes(v2, l1, i1)
+    logit = (wide["per_position"] - base["per_position"]) / (v2 - v1)
+    per_layer, fixed = {}, {}
     for inter in intermediates:
-        few = small_v if inter == i1 else update_bytes(v1, l1, inter, **run)
-        many = update_bytes(v1, l2, inter, **run)
-        per_layer[inter] = (many["passes"] - few["passes"]) / (few["tokens"] * (l2 - l1))
+        few = base if inter == i1 else slopes(v1, l1, inter)
+        many = slopes(v1, l2, inter)
+        per_layer[inter] = (many["per_token"] - few["per_token"]) / (l2 - l1)
+        params = many["long"]["param_bytes"] - few["long"]["param_bytes"]
+        fixed[inter] = (many["fixed"] - few["fixed"]) / params
     per_intermediate = (per_layer[i2] - per_layer[i1]) / (i2 - i1)
     per_hidden = (per_layer[i1] - per_intermediate * i1) / HIDDEN
+    small = base["long"]
     return {
         "logit_bytes": logit,
         "layer_bytes_per_hidden": per_hidden,
         "layer_bytes_per_intermediate": per_intermediate,
-        "adamw_step_over_params": small_v["optimizer"] / small_v["param_bytes"],
+        "autocast_copies_over_params": sum(fixed.values()) / len(fixed),
+        "adamw_step_over_params": small["optimizer"] / small["param_bytes"],
         "per_layer_bytes": {str(k): v for k, v in per_layer.items()},
-        "setup": {"hidden": HIDDEN, "prompt": prompt, "turn": turn, "vocabs": list(vocabs),
-                  "layers": list(layers), "intermediates": list(intermediates)},
+        "setup": {"hidden": HIDDEN, "prompt": prompt, "turns": [turn, turn // 2],
+                  "vocabs": list(vocabs), "layers": list(layers),
+                  "intermediates": list(intermediates)},
     }  # fmt: skip
 
 
@@ -166,6 +194,7 @@ def estimator_constants() -> dict:
 
     return {
         "logit_bytes": memory._LOGIT_BYTES,
+        "autocast_copies_over_params": memory._AUTOCAST_COPIES,
         "layer_bytes_per_hidden": memory._LAYER_HIDDEN * 2,
         "layer_bytes_per_intermediate": memory._LAYER_INTERMEDIATE * 2,
         "adamw_step_over_params": memory._ADAMW_STEP,

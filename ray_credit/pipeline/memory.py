@@ -15,8 +15,10 @@ what to change.
 The learner's transient terms are measured, not derived: what the update keeps for the
 backward pass per token and layer (counted as 36 bytes per hidden unit and 8 per
 intermediate unit under bf16 autocast), per logit (16 bytes: the bf16 projection, its
-float32 copy, the log-softmax and their gradients) and at AdamW's step (temporaries 1.3
-times one moment of its state) were read off the learner's live tensors on a CPU
+float32 copy, the log-softmax and their gradients), the bf16 copies of float32 weights that
+autocast saves for the backward pass (half the weights' bytes: the whole model's, or with
+gradient checkpointing one block's) and at AdamW's step (temporaries 1.3 times one moment
+of its state) were read off the learner's live tensors on a CPU
 (``bench/memory_terms.py``), and the totals checked against one H200
 (``bench/gpu_check.py --only scale``), where the estimate covered the peak of a learner
 without a KL reference. The frozen reference of a KL term is counted as a copy of the
@@ -60,6 +62,10 @@ _LOGIT_BYTES = 16
 _LAYER_HIDDEN = 18
 _LAYER_INTERMEDIATE = 4
 _ADAMW_STEP = 1.3  # AdamW's step: temporaries over the bytes of one moment of its state
+# Under autocast, float32 weights are cast to bf16 for each matmul and those copies are
+# saved for the backward pass (measured: 0.5 of the float32 weights' bytes): the whole
+# model's, unsharded even under FSDP; with gradient checkpointing, the recomputed block's.
+_AUTOCAST_COPIES = 0.5
 
 
 @dataclass(frozen=True)
@@ -223,8 +229,13 @@ def estimate(
             acts = tokens * layer * shape.layers * abytes
         logits = tokens * shape.vocab * _LOGIT_BYTES
         gathered = 2 * (shape.params / shape.layers) * pbytes if shards > 1 else 0.0
+        copies = 0.0
+        if lr.autocast and pbytes == 4:
+            copied = shape.params / shape.layers if lr.gradient_checkpointing else shape.params
+            copies = _AUTOCAST_COPIES * 4 * copied
         parts = {"weights": weights, "gradients": grads, "AdamW": adam, "reference": reference,
-                 "activations": acts + logits + gathered, "AdamW step": _ADAMW_STEP * adam / 2,
+                 "activations": acts + logits + gathered + copies,
+                 "AdamW step": _ADAMW_STEP * adam / 2,
                  "overhead": _LEARNER_OVERHEAD_GB * GB, "index slice": piece}  # fmt: skip
         how = f"{res.learner_strategy} over {shards}" if shards > 1 else "a whole replica"
         rows.append(_row(f"learner worker ({how}, {lr.dtype})", parts, gpu_gb))

@@ -165,7 +165,7 @@ def test_every_gpu_counts_its_slice_of_wiki_18(qwen, capfd):
     assert learner["total"] < 80 and generator["slice_gb"] == learner["parts"]["index slice"]
     assert report_memory(cfg, set(), WIKI_18) == []
     out = "".join(capfd.readouterr())
-    assert "index slice 4.0 = 66.4 GB of 80" in out
+    assert "index slice 4.0 = 66.5 GB of 80" in out
     assert "beside it an index slice 4.0 GB" in out
     # a vLLM engine that leaves its slice no room is told the utilization that does
     greedy = _cfg("--config", SEARCH_R1, "--model", qwen, "--resources.retriever_gpu_share",

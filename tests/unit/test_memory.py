@@ -96,7 +96,7 @@ def test_search_r1_yaml_on_80_gb_and_aws_yaml_on_a10g_print_no_warning(qwen, cap
         learner = estimate(cfg, model_shape(qwen), float(gpu_gb))[0]
         assert learner["parts"]["reference"] > 0 and learner["total"] < float(gpu_gb)
     out = "".join(capfd.readouterr())
-    assert "= 62.4 GB of 80" in out and "= 21.1 GB of 22" in out
+    assert "= 62.5 GB of 80" in out and "= 21.2 GB of 22" in out
     # a float32 reference on the A10G would not fit: said, with what to change
     f32 = _cfg("--config", str(ROOT / "pipelines/configs/aws.yaml"), "--model", qwen,
                "--resources.gpu_memory_gb", "22.49", "--learner.reference_dtype", "float32",
