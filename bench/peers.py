@@ -55,10 +55,6 @@ DIFFERENCES = (
     "pipeline: ray_credit generates the next step while it trains (one step of staleness, "
     "each token weighted by learner / generator probability, capped at 2); TRL generates, "
     "then trains, on-policy",
-    "generation: ray_credit's vLLM engine in bf16, a group's prompt and each context's "
-    "earlier turns cached; TRL's model.generate on its float32 training model, every turn "
-    "re-encoding its whole context (TRL's vLLM colocate mode needs vllm <= 0.31; the CPU "
-    "build here is newer)",
     "dual clip: ray_credit's learner bounds the ratio of negative-advantage tokens at 3 "
     "(verl's dual clip); TRL's loss has none",
     "question order: ray_credit draws each step's questions stratified by hop count; TRL's "
@@ -68,7 +64,7 @@ DIFFERENCES = (
 )
 
 
-def run_measured(cmd: list[str], log: Path) -> dict:
+def run_measured(cmd: list[str], log: Path, allow_failure: bool = False) -> dict:
     """Run ``cmd`` (its output to ``log``; its progress lines to this terminal), reading
     its processes' memory each second: its seconds, memory peak and progress lines, each
     with the second it came at."""
@@ -85,9 +81,10 @@ def run_measured(cmd: list[str], log: Path) -> dict:
                 print("   ", line.rstrip(), flush=True)
         code = proc.wait()
         memory.stop()
-    if code:
+    if code and not allow_failure:
         raise SystemExit(f"{' '.join(cmd[:2])} ... failed (exit status {code}); see {log}")
-    return {"seconds": time.perf_counter() - start, "memory": memory.summary(), "marks": marks}
+    return {"seconds": time.perf_counter() - start, "memory": memory.summary(), "marks": marks,
+            "code": code}  # fmt: skip
 
 
 _PROGRESS = ("step ", "trl ", "trl:", "warm-start:", "eval ", "  all ")
@@ -129,13 +126,42 @@ def _startup(marks: list[tuple[float, str]], first_step_s: float) -> float:
     return at - first_step_s - sum(float(m.group(1)) for m in evals if m)
 
 
-def trl_run(args, task: list[str]) -> dict:
+def generation_difference(mode: str, probe: dict) -> str:
+    if mode == "vllm-colocate":
+        trl = "TRL's colocated vLLM engine (TRL pushes its weights before every step)"
+    else:
+        trl = (
+            "TRL's model.generate on its float32 training model, every turn re-encoding its "
+            "whole context (TRL's best that works here: its colocated vLLM engine failed to "
+            f"take the trainer's weights: {probe.get('error')})"
+        )
+    return (
+        "generation: ray_credit's vLLM engine in the CPU's bf16, a group's prompt and each "
+        f"context's earlier turns cached; {trl}"
+    )
+
+
+def probe_vllm(args, task: list[str]) -> dict:
+    """Whether TRL's colocated vLLM engine takes the trainer's weights here."""
+    cmd = [sys.executable, str(ROOT / "bench" / "peers_trl.py"), "--model",
+           str(args.out / "warm_start"), "--out", str(args.out / "trl_probe"), "--probe",
+           "--generation", "vllm-colocate", "--steps", "1", "--questions", str(args.questions),
+           "--group-size", str(args.group_size), "--micro-batch", str(args.micro_batch), *task]  # fmt: skip
+    job = run_measured(cmd, args.out / "trl_probe.log", allow_failure=True)
+    for line in reversed((args.out / "trl_probe.log").read_text().splitlines()):
+        if line.startswith("{") and '"works"' in line:
+            return json.loads(line)
+    return {"works": False, "error": f"the probe exited with status {job['code']} before "
+            f"its weight sync; see {args.out / 'trl_probe.log'}"}  # fmt: skip
+
+
+def trl_run(args, task: list[str], generation: str) -> dict:
     out = args.out / "trl"
     cmd = [
         sys.executable, str(ROOT / "bench" / "peers_trl.py"), "--model", str(args.out / "warm_start"),
         "--out", str(out), "--steps", str(args.steps), "--questions", str(args.questions),
         "--group-size", str(args.group_size), "--micro-batch", str(args.micro_batch),
-        *task,
+        "--generation", generation, "--generation-autocast", args.trl_generation_autocast, *task,
     ]  # fmt: skip
     job = run_measured(cmd, args.out / "trl.log")
     record = json.loads((out / "steps.json").read_text())
@@ -260,8 +286,17 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=8, help="TRL's completions per backward")
     parser.add_argument("--eval-questions", type=int, default=120)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "peers")
-    parser.add_argument("--skip", choices=("ray_credit", "trl"), default=None,
-                        help="reuse that system's outputs in --out from an earlier run")  # fmt: skip
+    parser.add_argument(
+        "--skip",
+        choices=("ray_credit",),
+        default=None,
+        help="reuse ray_credit's run and evaluation from an earlier run of this "
+        "command in --out, and run TRL again",
+    )
+    parser.add_argument("--trl-generation-autocast", choices=("on", "off"), default="on",
+                        help="TRL's transformers generation under the learner's bf16 autocast "
+                             "(as ray_credit samples in the CPU's bf16), or in float32 as TRL's "
+                             "own generation samples")  # fmt: skip
     args, extra = parser.parse_known_args()  # the rest: task settings, as tspo.py takes them
     args.out.mkdir(parents=True, exist_ok=True)
     task = [*extra, "--pipeline.groups_per_step", str(args.questions),
@@ -270,19 +305,33 @@ def main() -> int:
     if args.questions < 2:  # stratified steps need a question of each hop count
         task += ["--pipeline.stratify_by", "none"]
 
+    if args.skip == "ray_credit":  # an earlier run's, from the same --out
+        earlier = json.loads((args.out / "peers.json").read_text())["ray_credit"]
+        rc = {k: earlier[k] for k in ("seconds", "memory", "steps", "startup_s", "summary")}
+        print(f"ray_credit: reused from {args.out / 'peers.json'}", flush=True)
+    else:
+        print(f"ray_credit: pipelines/tspo.py, {args.steps} steps of {args.questions} x "
+              f"G={args.group_size}", flush=True)  # fmt: skip
+        rc = ray_credit_run(args, task)
+    probe = probe_vllm(args, task)
+    generation = "vllm-colocate" if probe["works"] else "transformers"
     print(
-        f"ray_credit: pipelines/tspo.py, {args.steps} steps of {args.questions} x G={args.group_size}",
-        flush=True,
+        f"TRL's colocated vLLM engine: {'works' if probe['works'] else probe['error']}", flush=True
     )
-    rc = ray_credit_run(args, task)
-    print(f"TRL: bench/peers_trl.py, the same from {args.out / 'warm_start'}", flush=True)
-    trl = trl_run(args, task)
+    print(f"TRL: bench/peers_trl.py ({generation} generation), the same from "
+          f"{args.out / 'warm_start'}", flush=True)  # fmt: skip
+    trl = {**trl_run(args, task, generation), "vllm_colocate_probe": probe}
     print("evaluation: pipelines/eval.py on each trained policy", flush=True)
-    rc_eval = evaluate(args, args.out / "ray_credit" / "checkpoint", "ray_credit", task)
+    if args.skip == "ray_credit":
+        rc_eval = json.loads((args.out / "eval_ray_credit.json").read_text())
+    else:
+        rc_eval = evaluate(args, args.out / "ray_credit" / "checkpoint", "ray_credit", task)
     trl_eval = evaluate(args, args.out / "trl" / "final", "trl", task,
                         before=args.out / "eval_ray_credit.json")  # fmt: skip
 
-    result = {"setup": vars(args) | {"out": str(args.out)}, "differences": list(DIFFERENCES)}
+    differences = [DIFFERENCES[0], DIFFERENCES[1], generation_difference(generation, probe),
+                   *DIFFERENCES[2:]]  # fmt: skip
+    result = {"setup": vars(args) | {"out": str(args.out)}, "differences": differences}
     params, matmul = parameter_count(args.out / "warm_start"), matmul_gflops()
     result["setup"].update(parameters=params, matmul_gflops=matmul)
     for name, system in (("ray_credit", rc), ("trl", trl)):

@@ -37,11 +37,15 @@ STARTED = time.perf_counter()
 class GenerateSampler:
     """One turn of every context through the trainer's model's ``generate``, as TRL's
     transformers generation samples: all contexts left-padded into one batch, sampled
-    with the turn's settings and stop strings, no cache kept from one turn to the next."""
+    with the turn's settings and stop strings, no cache kept from one turn to the next.
+    ``autocast``: generate under it (TRL's own generation runs in the model's dtype, float32
+    here; under the trainer's bf16 autocast it samples in the precision ray_credit's
+    generator does)."""
 
-    def __init__(self, trainer, tokenizer):
+    def __init__(self, trainer, tokenizer, autocast: str | None = None):
         self.trainer = trainer
         self.tokenizer = tokenizer
+        self.autocast = autocast  # the learner's setting: None, "auto", "bfloat16", ...
         self.eos_token_id = int(tokenizer.eos_token_id)
         self.pad_token_id = int(
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -52,6 +56,7 @@ class GenerateSampler:
         from transformers import GenerationConfig
         from trl.models import unwrap_model_for_generation
 
+        from ray_credit.actors.learner import autocast
         from ray_credit.actors.sampling import SampledTurn
 
         torch.manual_seed(seed)
@@ -69,6 +74,7 @@ class GenerateSampler:
         with (
             unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model,
             torch.no_grad(),
+            autocast(model.device, self.autocast),
         ):
             out = model.generate(
                 input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
@@ -105,6 +111,52 @@ class GenerateSampler:
         raise NotImplementedError("GenerateSampler samples the trainer's model itself")
 
 
+class ColocatedVLLMSampler:
+    """One turn of every context through the vLLM engine TRL colocates with its trainer
+    (``use_vllm=True, vllm_mode="colocate"``): the way TRL's documentation samples in a
+    rollout function. TRL pushes the trainer's weights to it before each step."""
+
+    def __init__(self, trainer, tokenizer):
+        self.trainer = trainer
+        self.tokenizer = tokenizer
+        self.eos_token_id = int(tokenizer.eos_token_id)
+
+    def sample(self, contexts, params, *, seed: int):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from ray_credit.actors.sampling import SampledTurn
+
+        sampling = SamplingParams(
+            max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k or -1, stop=list(params.stop), include_stop_str_in_output=True,
+            logprobs=0, seed=seed,
+        )  # fmt: skip
+        llm = self.trainer.vllm_generation.llm
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(c)) for c in contexts], sampling,
+                            use_tqdm=False)  # fmt: skip
+        turns = []
+        for out in outs:
+            done = out.outputs[0]
+            ids = list(done.token_ids)
+            logps = [float(next(iter(lp.values())).logprob) for lp in (done.logprobs or [])]
+            turns.append(SampledTurn(ids, logps, done.finish_reason == "length"))
+        return turns
+
+    def load_weights(self, weights) -> None:  # TRL syncs the engine itself
+        raise NotImplementedError("TRL pushes the trainer's weights to its colocated engine")
+
+
+def probe_colocated_vllm(trainer) -> str | None:
+    """None when TRL's colocated engine takes the trainer's weights (its sync before every
+    step), else the error it raises."""
+    try:
+        trainer.vllm_generation.sync_weights()
+    except Exception as err:  # noqa: BLE001 - what fails is the finding
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="the policy to start from (a folder)")
@@ -114,8 +166,21 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=8, help="completions per backward")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--generation",
+        choices=("transformers", "vllm-colocate"),
+        default="transformers",
+        help="how TRL samples each turn",
+    )
+    parser.add_argument("--generation-autocast", choices=("on", "off"), default="on",
+                        help="transformers generation under the learner's autocast (bf16 where "
+                             "the CPU has it), or in the model's float32 as TRL's own")  # fmt: skip
+    parser.add_argument("--probe", action="store_true",
+                        help="only build the trainer and sync its weights into the engine; "
+                             "print whether that works")  # fmt: skip
     args, task = parser.parse_known_args()  # the rest: the task's settings, as tspo.py takes them
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GB: as the main job's engine
 
     try:
         import trl  # noqa: F401
@@ -160,9 +225,12 @@ def main() -> int:
     def rollout(prompts, trainer):
         """TRL's rollout_func: ``prompts`` holds each question ``group_size`` times in a row."""
         if state["generator"] is None:
-            state["generator"] = Generator(
-                retriever=retriever, config=gen_cfg, sampler=GenerateSampler(trainer, tokenizer)
-            )
+            if args.generation == "transformers":
+                cast = cfg.learner.autocast if args.generation_autocast == "on" else None
+                sampler = GenerateSampler(trainer, tokenizer, autocast=cast)
+            else:
+                sampler = ColocatedVLLMSampler(trainer, tokenizer)
+            state["generator"] = Generator(retriever=retriever, config=gen_cfg, sampler=sampler)
         questions = [by_text[p] for p in prompts[:: args.group_size]]
         if [p for p in prompts[:: args.group_size] for _ in range(args.group_size)] != list(
             prompts
@@ -228,12 +296,19 @@ def main() -> int:
         max_completion_length=cfg.generator.max_context_tokens,
         max_grad_norm=cfg.learner.max_grad_norm or 0.0, weight_decay=cfg.learner.weight_decay,
         bf16=cfg.learner.autocast is not None, use_cpu=True, seed=args.seed,
+        use_vllm=args.generation == "vllm-colocate", vllm_mode="colocate",
+        vllm_max_model_length=cfg.generator.max_context_tokens,
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=model.train(), reward_funcs=exact_match, args=config, train_dataset=dataset,
         processing_class=tokenizer, rollout_func=rollout, callbacks=[Steps()],
     )  # fmt: skip
+    if args.probe:
+        failure = probe_colocated_vllm(trainer) if config.use_vllm else None
+        print(json.dumps({"generation": args.generation, "works": failure is None,
+                          "error": failure}), flush=True)  # fmt: skip
+        return 0
     startup = time.perf_counter() - STARTED
     print(f"trl: started in {startup:.0f}s; {args.steps} steps of {args.questions} questions x "
           f"G={args.group_size}", flush=True)  # fmt: skip
@@ -242,7 +317,9 @@ def main() -> int:
     tokenizer.save_pretrained(str(args.out / "final"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "steps.json").write_text(json.dumps(
-        {"startup_s": startup, "steps": steps, "trl": trl.__version__}, indent=2))  # fmt: skip
+        {"startup_s": startup, "steps": steps, "trl": trl.__version__,
+         "generation": args.generation, "generation_autocast": args.generation_autocast},
+        indent=2))  # fmt: skip
     print(f"wrote {args.out / 'steps.json'} and {args.out / 'final'}")
     return 0
 
