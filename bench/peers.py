@@ -126,12 +126,13 @@ def _startup(marks: list[tuple[float, str]], first_step_s: float) -> float:
     return at - first_step_s - sum(float(m.group(1)) for m in evals if m)
 
 
-def generation_difference(mode: str, probe: dict) -> str:
+def generation_difference(mode: str, probe: dict, autocast: str = "off") -> str:
     if mode == "vllm-colocate":
         trl = "TRL's colocated vLLM engine (TRL pushes its weights before every step)"
     else:
+        how = "under the learner's bf16 autocast" if autocast == "on" else "in float32"
         trl = (
-            "TRL's model.generate on its float32 training model, every turn re-encoding its "
+            f"TRL's model.generate on its training model {how}, every turn re-encoding its "
             "whole context (TRL's best that works here: its colocated vLLM engine failed to "
             f"take the trainer's weights: {probe.get('error')})"
         )
@@ -293,10 +294,10 @@ def main() -> int:
         help="reuse ray_credit's run and evaluation from an earlier run of this "
         "command in --out, and run TRL again",
     )
-    parser.add_argument("--trl-generation-autocast", choices=("on", "off"), default="on",
-                        help="TRL's transformers generation under the learner's bf16 autocast "
-                             "(as ray_credit samples in the CPU's bf16), or in float32 as TRL's "
-                             "own generation samples")  # fmt: skip
+    parser.add_argument("--trl-generation-autocast", choices=("on", "off"), default="off",
+                        help="TRL's transformers generation in its model's float32, as TRL's own "
+                             "generation samples (off), or under the learner's bf16 autocast (on: "
+                             "no faster on this CPU)")  # fmt: skip
     args, extra = parser.parse_known_args()  # the rest: task settings, as tspo.py takes them
     args.out.mkdir(parents=True, exist_ok=True)
     task = [*extra, "--pipeline.groups_per_step", str(args.questions),
@@ -329,7 +330,7 @@ def main() -> int:
     trl_eval = evaluate(args, args.out / "trl" / "final", "trl", task,
                         before=args.out / "eval_ray_credit.json")  # fmt: skip
 
-    differences = [DIFFERENCES[0], DIFFERENCES[1], generation_difference(generation, probe),
+    differences = [DIFFERENCES[0], DIFFERENCES[1], generation_difference(generation, probe, args.trl_generation_autocast),
                    *DIFFERENCES[2:]]  # fmt: skip
     result = {"setup": vars(args) | {"out": str(args.out)}, "differences": differences}
     params, matmul = parameter_count(args.out / "warm_start"), matmul_gflops()

@@ -172,9 +172,9 @@ def main() -> int:
         default="transformers",
         help="how TRL samples each turn",
     )
-    parser.add_argument("--generation-autocast", choices=("on", "off"), default="on",
-                        help="transformers generation under the learner's autocast (bf16 where "
-                             "the CPU has it), or in the model's float32 as TRL's own")  # fmt: skip
+    parser.add_argument("--generation-autocast", choices=("on", "off"), default="off",
+                        help="transformers generation in the model's float32 as TRL's own (off), "
+                             "or under the learner's autocast: bf16 where the CPU has it (on)")  # fmt: skip
     parser.add_argument("--probe", action="store_true",
                         help="only build the trainer and sync its weights into the engine; "
                              "print whether that works")  # fmt: skip
