@@ -98,6 +98,7 @@ class JobMemory:
             return None
         roles: dict[int, str] = {}
         pss: dict[str, float] = {}
+        kinds: dict[str, dict[str, float]] = {}  # a role's PSS by kind of page
         rss_total = 0.0
         for proc in procs:  # parents come before their children
             try:
@@ -111,12 +112,16 @@ class JobMemory:
             if reading is None:  # gone since it was listed
                 continue
             pss[role] = pss.get(role, 0.0) + reading["pss"]
+            split = kinds.setdefault(role, {"anon": 0.0, "file": 0.0, "shmem": 0.0})
+            for kind in split:
+                split[kind] += reading[kind]
             rss_total += reading["rss"]
         return {
             "seconds": round(time.monotonic() - self._start, 1),
             "pss_gb": sum(pss.values()),
             "rss_gb": rss_total,
             "roles_pss_gb": pss,
+            "roles_kinds_gb": kinds,
         }
 
     def stop(self) -> None:
@@ -141,6 +146,9 @@ def job_peak(samples: list[dict]) -> dict | None:
         "at_seconds": top["seconds"],
         "rss_gb_then": top["rss_gb"],
         "roles_pss_gb_then": dict(sorted(top["roles_pss_gb"].items(), key=lambda kv: -kv[1])),
+        # of each role's PSS then: heap (anon), mapped files (file), shared memory (shmem:
+        # Ray's object store, where a process reads or writes an object)
+        "roles_kinds_gb_then": top.get("roles_kinds_gb", {}),
         "roles_highest_pss_gb": own,
         "samples": len(samples),
     }
@@ -218,6 +226,9 @@ def table(rep: dict) -> str:
             f"{job['at_seconds']:.0f} s: {then}; its processes' RSS summed then "
             f"{job['rss_gb_then']:.2f} GB"
         )
+        for role, split in job.get("roles_kinds_gb_then", {}).items():
+            parts = ", ".join(f"{kind} {gb:.2f}" for kind, gb in split.items())
+            lines.append(f"  {role}: {parts}")
     return "\n".join(lines)
 
 

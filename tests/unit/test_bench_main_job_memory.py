@@ -123,5 +123,8 @@ def test_the_meter_reads_a_process_and_what_it_started():
         job.wait()
     last = meter.samples[-1]
     assert last["roles_pss_gb"]["driver"] > 0.19  # the 200 MiB block, the job's root
+    driver = last["roles_kinds_gb"]["driver"]
+    assert driver["anon"] > 0.19  # the block is heap
+    assert sum(driver.values()) == pytest.approx(last["roles_pss_gb"]["driver"], abs=1e-5)
     assert last["roles_pss_gb"]["ray"] > 0  # its child (no actor's name): counted too
     assert last["rss_gb"] >= last["pss_gb"]
