@@ -34,3 +34,32 @@ def test_micro_batch_memory_measures_each_value_in_its_own_process(tmp_path):
     assert first["peak_ratio"] == 1.0 and first["time_ratio"] == 1.0
     assert second["peak_ratio"] == second["peak_gb"] / first["peak_gb"]
     assert "micro_batch_tokens    128: peak" in out.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_peak_is_each_updates_own_though_the_learner_starts_a_new_window(monkeypatch):
+    # The learner reads the process's peak at the end of every update and resets it (its
+    # memory/learner_peak_gb): the process's VmHWM read after the updates misses them.
+    import numpy as np
+
+    import ray_credit.actors.learner as learner_module
+    import ray_credit.models as models
+    from ray_credit.process_memory import PeakMeter, memory_report
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learner import peak_memory
+
+    class Updating:  # an update that holds 400 MiB for a moment, as the real one's passes
+        def __init__(self, model, config):
+            self.meter = PeakMeter()
+
+        def train(self, batch):
+            block = np.ones(400 * 2**20 // 8)
+            del block
+            return {"memory/learner_peak_gb": memory_report(self.meter)["peak_gb"]}
+
+    monkeypatch.setattr(learner_module, "Learner", Updating)
+    monkeypatch.setattr(models, "load_model", lambda name: None)
+    r = peak_memory("any", batch=None, micro_batch_tokens=1024, repeats=1)
+    assert r["peak_gb"] >= r["loaded_gb"] + 0.35
+    assert r["after_update_gb"] < r["loaded_gb"] + 0.1  # the block was given back
