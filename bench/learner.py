@@ -126,7 +126,7 @@ def peak_memory(model: str, batch, micro_batch_tokens: int, repeats: int) -> dic
         # the learner reads the process's peak at the end of each update and starts a new
         # window (memory/learner_peak_gb): /proc's VmHWM read after the loop would give
         # only what came after the last update
-        peaks.append(metrics.get("memory/learner_peak_gb", _status_gb("VmHWM")))
+        peaks.append(metrics["memory/learner_peak_gb"])
     return {"micro_batch_tokens": micro_batch_tokens, "seconds": statistics.median(seconds),
             "loaded_gb": loaded, "peak_gb": max(peaks),
             "after_update_gb": _status_gb("VmRSS")}  # fmt: skip
