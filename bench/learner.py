@@ -27,6 +27,14 @@ instead measures, for each ``micro_batch_tokens``, the learner's peak resident m
 and its update time, each value in a fresh process (a peak is per process), with a KL
 reference (IGPO's ``kl_coef`` 0.001: every trajectory then runs, and the frozen copy is
 held) and bf16 autocast at temperature 0.8, as the sparse study trains.
+
+    python bench/learner.py --questions 4 --phases 1024
+
+gives, for the main job's learner settings (``off_policy: tis``, temperature 0.8, autocast
+``auto``, no KL) at that ``micro_batch_tokens``, each update's peak resident memory in
+each of its phases: the passes' forward and loss, their backward, the optimizer's step,
+and the rest (the batch's preparation between them). Each is the kernel's own peak for
+the phase (``VmHWM``, reset at every boundary), so a short spike is not missed.
 """
 
 from __future__ import annotations
@@ -132,6 +140,74 @@ def peak_memory(model: str, batch, micro_batch_tokens: int, repeats: int) -> dic
             "after_update_gb": _status_gb("VmRSS")}  # fmt: skip
 
 
+PHASES = ("forward", "backward", "optimizer step", "rest")
+
+
+def phase_peaks(learner, batch) -> tuple[dict[str, float], dict]:
+    """One ``learner.train(batch)``: its peak resident memory (GiB) in each of
+    :data:`PHASES`, and its metrics. Each pass's forward runs from the vocabulary
+    projection's call to its backward; a no-grad pass (proximal log-probs) counts as
+    forward. The learner's own ``memory/learner_peak_gb`` then spans only the last phase:
+    the phases' highest is the update's peak."""
+    import torch
+
+    from ray_credit.process_memory import PeakMeter
+
+    meter, peaks, label = PeakMeter(), dict.fromkeys(PHASES, 0.0), ["rest"]
+
+    def close(then: str) -> None:
+        peak = meter.read()[1]
+        if peak is None:
+            raise RuntimeError("this platform does not report a process's peak memory (Linux only)")
+        peaks[label[0]] = max(peaks[label[0]], peak)
+        label[0] = then
+
+    def around(fn, phase):
+        def run(*args, **kwargs):
+            close(phase)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                close("rest")
+
+        return run
+
+    backward, logits, step = torch.Tensor.backward, learner._logits, learner._clip_and_step
+    # the forward phase lasts from the projection's call to the backward (the loss included)
+    learner._logits = lambda *a, **k: (label[0] == "forward" or close("forward"), logits(*a, **k))[1]
+    torch.Tensor.backward = around(backward, "backward")
+    learner._clip_and_step = around(step, "optimizer step")
+    try:
+        close("rest")
+        metrics = learner.train(batch)
+        close("rest")
+    finally:
+        torch.Tensor.backward = backward
+        learner._logits, learner._clip_and_step = logits, step
+    return peaks, metrics
+
+
+def phase_study(model: str, batch, micro_batch_tokens: int, updates: int) -> list[dict]:
+    """:func:`phase_peaks` of ``updates`` updates of the main job's learner settings."""
+    from ray_credit.actors.learner import Learner, LearnerConfig
+    from ray_credit.models import load_model
+
+    config = LearnerConfig(
+        lr=1e-5, temperature=0.8, off_policy="tis", autocast="auto",
+        micro_batch_tokens=micro_batch_tokens,
+    )  # fmt: skip
+    learner = Learner(load_model(model), config)
+    rows = []
+    for i in range(updates):
+        start = time.perf_counter()
+        peaks, metrics = phase_peaks(learner, batch)
+        rows.append({"update": i + 1, "seconds": time.perf_counter() - start, "peaks_gb": peaks,
+                     "after_gb": metrics["memory/learner_rss_gb"]})  # fmt: skip
+        print(f"update {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in peaks.items())
+              + f" GiB at their peaks; {rows[-1]['after_gb']:.2f} held after", flush=True)  # fmt: skip
+    return rows
+
+
 def _status_gb(field: str) -> float:
     """A memory field of this process's /proc status (VmRSS, VmHWM: its peak), in GiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -177,12 +253,24 @@ def main() -> None:
         "--micro-batch-memory", type=lambda v: [int(x) for x in v.split(",")], default=None,
         metavar="N,N", help="peak memory and update time per micro_batch_tokens value",
     )  # fmt: skip
+    parser.add_argument(
+        "--phases", type=int, default=None, metavar="N",
+        help="each update's peak memory by phase at micro_batch_tokens N (--repeats + 1 updates)",
+    )  # fmt: skip
     parser.add_argument("--memory-of", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.micro_batch_memory:
         return memory_study(args)
 
     batch = demonstrations(args.model, args.questions, args.group_size)
+    if args.phases is not None:
+        rows = phase_study(args.model, batch, args.phases, args.repeats + 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        out = args.out.with_name(args.out.stem + "_phases.json")
+        out.write_text(json.dumps({"model": args.model, "micro_batch_tokens": args.phases,
+                                   "trajectories": len(batch), "updates": rows}, indent=2))  # fmt: skip
+        print(f"wrote {out}")
+        return None
     if args.memory_of is not None:  # a child of --micro-batch-memory: one JSON line
         print(json.dumps(peak_memory(args.model, batch, args.memory_of, args.repeats)))
         return None

@@ -63,3 +63,46 @@ def test_the_peak_is_each_updates_own_though_the_learner_starts_a_new_window(mon
     r = peak_memory("any", batch=None, micro_batch_tokens=1024, repeats=1)
     assert r["peak_gb"] >= r["loaded_gb"] + 0.35
     assert r["after_update_gb"] < r["loaded_gb"] + 0.1  # the block was given back
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_phase_peaks_put_each_spike_in_its_own_phase():
+    # Each phase of a stand-in update holds a block of its own size for a moment: the
+    # kernel's peak, reset at each boundary, must put each block in its phase alone.
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learner import PHASES, phase_peaks
+
+    from ray_credit.process_memory import PeakMeter, memory_report
+
+    def hold(mib: int) -> None:
+        block = np.ones(mib * 2**20 // 8)
+        del block
+
+    class Updating:
+        meter = PeakMeter()
+
+        def _logits(self):
+            hold(200)
+
+        def _clip_and_step(self):
+            hold(600)
+
+        def train(self, batch):
+            self._logits()
+            loss = torch.ones(1, requires_grad=True).sum()
+            torch.Tensor.backward(loss)
+            hold(400)  # after the backward: the rest
+            self._clip_and_step()
+            return memory_report(self.meter)
+
+    backward = torch.Tensor.backward
+    peaks, _ = phase_peaks(Updating(), batch=None)
+    assert torch.Tensor.backward is backward  # put back
+    assert list(peaks) == list(PHASES)
+    base = min(peaks.values())
+    assert peaks["optimizer step"] >= base + 0.5
+    assert 0.3 <= peaks["rest"] - base < peaks["optimizer step"] - base
+    assert 0.15 <= peaks["forward"] - base < peaks["rest"] - base
