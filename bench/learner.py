@@ -173,8 +173,13 @@ def phase_peaks(learner, batch) -> tuple[dict[str, float], dict]:
         return run
 
     backward, logits, step = torch.Tensor.backward, learner._logits, learner._clip_and_step
-    # the forward phase lasts from the projection's call to the backward (the loss included)
-    learner._logits = lambda *a, **k: (label[0] == "forward" or close("forward"), logits(*a, **k))[1]
+
+    def projecting(*args, **kwargs):  # a forward lasts to the backward (the loss included)
+        if label[0] != "forward":
+            close("forward")
+        return logits(*args, **kwargs)
+
+    learner._logits = projecting
     torch.Tensor.backward = around(backward, "backward")
     learner._clip_and_step = around(step, "optimizer step")
     try:
