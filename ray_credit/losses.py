@@ -338,7 +338,10 @@ def policy_loss(
     only: the global token count under data parallelism).
 
     Args:
-        logprobs, old_logprobs, advantages, mask: ``(B, L)``, as in :func:`policy_loss_per_token`.
+        logprobs: ``(B, L)``, as in :func:`policy_loss_per_token`.
+        old_logprobs: ``(B, L)``, as in :func:`policy_loss_per_token`.
+        advantages: ``(B, L)``, as in :func:`policy_loss_per_token`.
+        mask: ``(B, L)``, as in :func:`policy_loss_per_token`.
         config: loss settings (:class:`PolicyLossConfig`; defaults are verl's).
         token_turn: ``(B, L)`` integer turn ids (-1 outside turns); turn level only.
         clip_scale: optional ``(B, L)`` per-token clip-range multiplier (A2TGPO adaptive clip).
@@ -350,8 +353,8 @@ def policy_loss(
 
         * ``clipfrac``: fraction where the clipped term won (``L2 > L1``);
         * ``clipfrac_lower``: fraction where the dual clip capped the loss (0 at turn level);
-        * ``approx_kl``: mean of :math:`\log\pi^{old} - \log\pi` (verl's ``ppo_kl``; the
-          log-ratio clamped to ``±log_ratio_clamp``);
+        * ``approx_kl``: mean of :math:`\log\pi^{old} - \log\pi`, the log-ratio clamped
+        to ``±log_ratio_clamp`` (verl's ``ppo_kl``);
         * ``ratio_mean``, ``ratio_max``: of the ratio actually used (turn ratio at turn level).
     """
     per_token = policy_loss_per_token(

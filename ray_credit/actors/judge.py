@@ -124,8 +124,11 @@ class JudgePool:
             otherwise).
         corpus: documents ``{"id", "contents"}`` (or a mapping id -> contents) for the
             evidence rule of question-level signals (reference plans name documents).
-        num_cpus, num_gpus, resources, max_restarts: of each actor (``resources``: custom
-            ones, e.g. ``{"service": 1}`` to land on a cluster's service nodes).
+        num_cpus: of each actor.
+        num_gpus: of each actor.
+        resources: custom resources of each actor, e.g. ``{"service": 1}`` to land on a
+            cluster's service nodes.
+        max_restarts: of each actor.
         **backend_kwargs: ``model``, ``device``, ``dtype``, ``max_new_tokens`` (hf);
             ``base_url``, ``model``, ``api_key_env``, ``backoff_s``, ``max_tokens``,
             ``extra_body`` (openai).
