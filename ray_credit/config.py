@@ -165,10 +165,14 @@ def _leaves(cls: type, prefix: str = ""):
         if dataclasses.is_dataclass(kind):
             yield from _leaves(kind, name + ".")
         else:
-            default = f.default if f.default is not dataclasses.MISSING else None
-            if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                default = f.default_factory()  # type: ignore[misc]
-            yield name, kind, default, docs.get(f.name, "")
+            yield name, kind, field_default(f), docs.get(f.name, "")
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default value (its factory's product; None when it has none)."""
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def _convert(value: Any, kind: Any, name: str) -> Any:
@@ -545,14 +549,16 @@ def _plain(text: str) -> str:
     """Docstring text without its reST inline markup, for ``--help``: a role gives its
     target (``:func:`a.b``` -> ``a.b``; ``~a.b`` -> ``b``; ``title <a.b>`` -> ``title``),
     ````x```` gives ``x``."""
+    return _LITERAL.sub(r"\1", _ROLE.sub(role_target, text))
 
-    def target(match: re.Match) -> str:
-        role = match.group(1)
-        if role.endswith(">") and "<" in role:
-            return role.rpartition("<")[0].strip()
-        return role[1:].rpartition(".")[2] if role.startswith("~") else role
 
-    return _LITERAL.sub(r"\1", _ROLE.sub(target, text))
+def role_target(match: re.Match) -> str:
+    """What a matched reST role (:data:`_ROLE`) shows: its target, ``~a.b`` as ``b`` and
+    ``title <a.b>`` as ``title``."""
+    role = match.group(1)
+    if role.endswith(">") and "<" in role:
+        return role.rpartition("<")[0].strip()
+    return role[1:].rpartition(".")[2] if role.startswith("~") else role
 
 
 def _shorthands(cls: type, prefix: str = "") -> dict[str, str]:

@@ -20,34 +20,34 @@ import dataclasses
 import importlib.util
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ray_credit.config import _flatten, _hints, _metavar, _summary, field_docs, read_yaml_file
+from ray_credit.config import (
+    _LITERAL,
+    _ROLE,
+    _flatten,
+    _hints,
+    _metavar,
+    _summary,
+    field_default,
+    field_docs,
+    read_yaml_file,
+    role_target,
+)
 
 __all__ = ["markdown_text", "pipeline_runs", "reference_page", "section_markdown"]
 
-_ROLE = re.compile(r":(?:\w+:)*\w+:`([^`]+)`")  # :func:`x.y`, :class:`~x.Y`, :math:`a`
-_LITERAL = re.compile(r"``(.+?)``")
 _CODE = re.compile(r"(`[^`]*`)")
 
 
 def markdown_text(text: str) -> str:
     """A docstring's reST inline markup as Markdown: ````x```` and roles become code
     spans (``:class:`~a.B``` -> ```B```), and outside them the characters Markdown or a
-    table would read as markup (``<``, ``>``, ``*``, ``|``, ``_`` at a word's edge) are
-    escaped, so ``<search>`` shows as written."""
-
-    def role(match: re.Match) -> str:
-        target = match.group(1)
-        if target.endswith(">") and "<" in target:
-            target = target.rpartition("<")[0].strip()
-        elif target.startswith("~"):
-            target = target[1:].rpartition(".")[2]
-        return f"`{target}`"
-
-    text = _LITERAL.sub(r"`\1`", _ROLE.sub(role, text))
+    table would read as markup (``\\``, ``<``, ``>``, ``*``, ``|``, ``[``) are escaped, so
+    ``<search>`` shows as written."""
+    text = _LITERAL.sub(r"`\1`", _ROLE.sub(lambda m: f"`{role_target(m)}`", text))
     parts = _CODE.split(text)
     for i in range(0, len(parts), 2):  # the even parts are outside code spans
         parts[i] = (
@@ -86,18 +86,11 @@ def _takes(kind: Any) -> str:
     return " or ".join(_code(part) for part in _metavar(kind).split("|"))
 
 
-def _default(f: dataclasses.Field) -> Any:
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return None if f.default is dataclasses.MISSING else f.default
-
-
 def section_markdown(
     cls: type,
     prefix: str,
     *,
     embedded: Mapping[str, Any] | None = None,
-    skip: Iterable[str] = (),
     level: int = 2,
     doc: str = "",
     heading: bool = True,
@@ -105,17 +98,16 @@ def section_markdown(
     """Markdown lines for the section ``cls`` at the dotted ``prefix`` (``""``: the run's
     own top-level settings) and, after its settings, each of its subsections one heading
     level down. ``embedded``: the embedded YAML's settings, flattened to dotted names;
-    ``skip``: top-level fields of ``cls`` to leave out; ``heading``: False where the
-    caller writes the section's heading itself."""
+    ``heading``: False where the caller writes the section's heading itself."""
     embedded = embedded or {}
     hints, docs = _hints(cls), field_docs(cls)
-    fields = [f for f in dataclasses.fields(cls) if f.name not in set(skip)]
+    fields = dataclasses.fields(cls)
     leaves = [f for f in fields if not dataclasses.is_dataclass(hints[f.name])]
     subsections = [f for f in fields if dataclasses.is_dataclass(hints[f.name])]
     lines: list[str] = []
     if prefix and heading:
         lines += [f"{'#' * level} `{prefix}`", ""]
-    summary = _summary(cls) or " ".join(doc.split("\n\n")[0].split())
+    summary = _summary(cls) or doc  # a field docstring is one paragraph already
     if prefix and summary:  # the run's own: the page's introduction says it
         lines += [markdown_text(summary), ""]
     for f in leaves:
@@ -144,7 +136,7 @@ def _setting(
 ) -> list[str]:
     """One setting: its flag as a heading (anchored by its dotted name), what it takes,
     its default, the embedded run's value where that differs, its documentation."""
-    default = _default(f)
+    default = field_default(f)
     facts = [_takes(kind), f"default {_code(_value(default))}"]
     if name in embedded and _value(embedded[name]) != _value(default):
         facts.append(f"embedded run {_code(_value(embedded[name]))}")
